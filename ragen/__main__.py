@@ -1,0 +1,5 @@
+import sys
+
+from ragen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""Turn env observations into chat messages, and chat messages into exact token ids.
+
+:class:`ChatTokens` works with any chat template and never matches template-specific
+tokens. It renders the template as text and takes *differences* between renderings:
+
+* the first prompt is ``render(messages, add_generation_prompt=True)``;
+* after the model answered, the tokens it sampled are kept as they are; then come the
+  template's closing text for an assistant turn (``<|im_end|>\\n`` for ChatML) minus
+  whatever of it the model already wrote (its EOS), then the next user message and the
+  generation prompt. Those parts are found by rendering a conversation whose assistant
+  turn holds a placeholder, and reading the text around the placeholder.
+
+Only the model-written ids get ``loss_mask = 1``; everything the template or the env
+added gets 0. Because the model's ids are never re-tokenised, training sees exactly the
+sequence that was sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_PLACEHOLDER = "RAGENASSISTANTPLACEHOLDER"
+
+
+class ChatTokens:
+    """Builds multi-turn token sequences through ``tokenizer``'s own chat template."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; ragen renders every prompt through one")
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token
+        self.eos_text = eos if isinstance(eos, str) else ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of the first prompt: every message so far, then the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def _assistant_closing(self, messages: list[dict]) -> tuple[str, str]:
+        """(text the template puts after an assistant message, rendering up to and including it)."""
+        with_reply = self.render(messages + [{"role": "assistant", "content": _PLACEHOLDER}], add_generation_prompt=False)
+        at = with_reply.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
+        return with_reply[at:], with_reply
+
+    def closing_ids(self, messages: list[dict], finish_reason: str) -> list[int]:
+        """Ids that close the assistant turn after the model's own tokens.
+
+        ``messages`` ends with the user message the model answered. If the model sampled
+        EOS (``finish_reason == "eos"``) and the template's closing starts with the EOS
+        text, that part is the model's and is not added again.
+        """
+        closing, _ = self._assistant_closing(messages)
+        if finish_reason == "eos" and self.eos_text and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text) :]
+        return self.encode(closing)
+
+    def next_turn_ids(self, messages: list[dict], next_user: dict, finish_reason: str) -> list[int]:
+        """Ids after the model's reply: close its turn, add ``next_user``, open the next reply."""
+        following = self.render(
+            messages + [{"role": "assistant", "content": _PLACEHOLDER}, next_user], add_generation_prompt=True
+        )
+        at = following.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
+        tail = following[at:]
+        if finish_reason == "eos" and self.eos_text and tail.startswith(self.eos_text):
+            tail = tail[len(self.eos_text) :]
+        return self.encode(tail)
+
+
+@dataclass
+class PromptFormat:
+    """How observations are worded for the model (RAGEN's prompt, configurable)."""
+
+    enable_think: bool = True
+    max_actions_per_turn: int = 1
+    action_sep: str = "||"
+
+    def format_instruction(self) -> str:
+        if self.enable_think:
+            shape = "<think> [your reasoning] </think> <answer> [your answer] </answer>"
+        else:
+            shape = "<answer> [your answer] </answer>"
+        many = (
+            f" You may give up to {self.max_actions_per_turn} actions, separated by {self.action_sep}."
+            if self.max_actions_per_turn > 1
+            else ""
+        )
+        return f"Always answer in the form {shape} with no extra text.{many}"
+
+    def first_user_message(self, instructions: str, observation: str, turn: int, actions_left: int | None) -> str:
+        return f"{instructions}\n{self.format_instruction()}\n\n{self.turn_text(observation, turn, actions_left)}"
+
+    def next_user_message(self, reward: float, observation: str, turn: int, actions_left: int | None, feedback: str = "") -> str:
+        note = f"{feedback}\n" if feedback else ""
+        return f"{note}Reward: {reward:g}\n{self.turn_text(observation, turn, actions_left)}"
+
+    @staticmethod
+    def turn_text(observation: str, turn: int, actions_left: int | None) -> str:
+        left = f"\nYou have {actions_left} actions left." if actions_left is not None else ""
+        return f"Turn {turn}:\nState:\n{observation}{left}"

@@ -1,0 +1,82 @@
+"""The ``Trajectory`` record: one env's multi-turn episode as the exact token ids the model saw and wrote."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    """One model turn: what it wrote, how it parsed, what the env answered."""
+
+    response: str
+    actions: list[str]
+    format_valid: bool
+    env_reward: float
+    format_penalty: float
+    observation: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward(self) -> float:
+        return self.env_reward + self.format_penalty
+
+
+@dataclass
+class Trajectory:
+    """A whole episode. ``input_ids[i]`` was written by the model iff ``loss_mask[i] == 1``.
+
+    ``input_ids`` are the ids actually fed to / sampled from the model, never re-tokenised
+    text; ``turn_spans[k] = (start, end)`` delimits turn ``k``'s model-written tokens.
+    """
+
+    env_name: str
+    group_id: int
+    seed: int
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    initial_observation: str = ""
+    success: bool = False
+    done: bool = False
+    #: Set when the env raised: the episode is reported and left out of the update.
+    error: str = ""
+    #: Log-probs of the model-written tokens under the sampling policy, filled by the trainer.
+    old_logprobs: list[float] | None = None
+
+    @property
+    def reward(self) -> float:
+        """Episode return: env rewards plus format penalties."""
+        return sum(t.reward for t in self.turns)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(t.actions) for t in self.turns if t.format_valid)
+
+    @property
+    def response_length(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env": self.env_name,
+            "group_id": self.group_id,
+            "seed": self.seed,
+            "reward": self.reward,
+            "success": self.success,
+            "error": self.error,
+            "initial_observation": self.initial_observation,
+            "turns": [
+                {
+                    "response": t.response,
+                    "actions": t.actions,
+                    "format_valid": t.format_valid,
+                    "env_reward": t.env_reward,
+                    "format_penalty": t.format_penalty,
+                    "observation": t.observation,
+                }
+                for t in self.turns
+            ],
+        }

@@ -1,0 +1,204 @@
+"""The typed run configuration: one schema, validated at construction, YAML presets on top.
+
+``load_config(preset_or_yaml, overrides)`` merges, in order: the schema's defaults, a preset
+(``ragen/configs/<name>.yaml``) or a YAML file, then ``key=value`` overrides. An unknown key or
+a value of the wrong type raises :class:`ConfigError` naming the key; the CLI turns it into
+one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration (unknown key, wrong type, impossible value)."""
+
+
+@dataclass
+class EnvConfig:
+    #: Registered env name (see ``ragen envs``).
+    name: str = "bandit"
+    #: Keyword config passed to the env's constructor (validated by the env itself).
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentConfig:
+    #: Maximum model turns per episode.
+    max_turn: int = 1
+    #: Actions the model may give in one answer, separated by ``action_sep``.
+    max_actions_per_turn: int = 1
+    #: Actions per episode at most (0 = no limit).
+    max_actions_per_traj: int = 0
+    #: Ask for ``<think>…</think><answer>…</answer>``; False asks for ``<answer>…</answer>`` only.
+    enable_think: bool = True
+    #: Text placed after the generation prompt before the model writes (e.g. ``<answer>``); never trained on.
+    response_prefix: str = ""
+    #: Reward added to a turn whose answer cannot be parsed or names no valid action.
+    format_penalty: float = -0.1
+    system_prompt: str = "You're a helpful assistant."
+    action_sep: str = "||"
+
+
+@dataclass
+class RolloutConfig:
+    #: Number of env groups per step; all envs in a group share a seed (and so a start state).
+    env_groups: int = 8
+    #: Envs per group (GRPO's G).
+    group_size: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    #: Sequences per ``generate`` call.
+    batch_size: int = 64
+
+
+@dataclass
+class AlgorithmConfig:
+    #: Advantage estimator by registered name (``ragen.algos``).
+    adv_estimator: str = "grpo"
+    #: GRPO's division by the in-group std (Dr.GRPO turns it off).
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    #: Policy loss by registered name.
+    policy_loss: str = "clipped"
+    clip_ratio_low: float = 0.2
+    #: Clip-higher (DAPO; StarPO-S uses 0.28): a larger upper clip keeps exploring tokens alive.
+    clip_ratio_high: float = 0.28
+    #: Dual-clip bound for negative advantages (Ye et al. 2020); None = off.
+    clip_ratio_c: float | None = None
+    entropy_coeff: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    #: Passes over one rollout batch.
+    ppo_epochs: int = 1
+    #: Sequences per optimizer step (0 = the whole rollout batch).
+    mini_batch_size: int = 0
+    #: Sequences per forward/backward pass (gradient accumulation inside a mini-batch).
+    micro_batch_size: int = 16
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    #: Linear warm-up steps (0 = constant LR).
+    warmup_steps: int = 0
+
+
+@dataclass
+class LoraConfig:
+    #: 0 = full fine-tuning; > 0 trains LoRA adapters of this rank (peft).
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    #: Run directory; empty = ``runs/<env>-<timestamp>``.
+    output_dir: str = ""
+    #: "bf16" (autocast, fp32 master weights) or "fp32".
+    precision: str = "bf16"
+    #: Validate every N steps (0 = only before training and at the end).
+    val_freq: int = 0
+    val_before_train: bool = True
+    #: Held-out validation episodes (seeds disjoint from training seeds).
+    val_episodes: int = 64
+    #: Validation decoding: sampled at ``val_temperature``, or greedy when ``val_do_sample`` is false.
+    val_do_sample: bool = True
+    val_temperature: float = 1.0
+    #: Save the final weights (or LoRA adapter) to ``<output_dir>/final``.
+    save_final: bool = True
+    #: Show a tqdm progress bar with live reward/success.
+    progress_bar: bool = True
+    #: torch threads (0 = torch's default).
+    num_threads: int = 0
+
+
+@dataclass
+class RunConfig:
+    #: ``smollm2-135m`` (embedded default), ``tiny`` (tests), or a path to an HF model dir.
+    model: str = "smollm2-135m"
+    seed: int = 0
+    env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _friendly(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    msg = str(exc).splitlines()[0]
+    return f"config key {key!r}: {msg}" if key else msg
+
+
+def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults ← preset name or YAML path ← ``key=value`` overrides, validated; returns a ``RunConfig``."""
+    schema = OmegaConf.structured(RunConfig)
+    layers: list[DictConfig] = []
+    if preset:
+        path = Path(preset)
+        if not path.suffix:
+            path = PRESET_DIR / f"{preset}.yaml"
+        if path.is_file():
+            layers.append(OmegaConf.load(path))
+        elif preset.endswith((".yaml", ".yml")):
+            raise ConfigError(f"config file not found: {preset}")
+        else:  # an env name without a preset: defaults with that env
+            layers.append(OmegaConf.create({"env": {"name": preset}}))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
+        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_friendly(exc)) from None
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key {key!r}: {why}")
+
+    need(config.rollout.env_groups >= 1, "rollout.env_groups", "must be >= 1")
+    need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
+    need(config.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
+    need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
+    need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
+    need(config.trainer.precision in ("bf16", "fp32"), "trainer.precision", "must be 'bf16' or 'fp32'")
+    need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
+    need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
+    need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
+    need(config.trainer.val_episodes >= 1, "trainer.val_episodes", "must be >= 1")
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

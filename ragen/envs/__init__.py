@@ -1,0 +1,18 @@
+"""Text environments with gymnasium's API, and the registry that names them.
+
+>>> import ragen.envs
+>>> env = ragen.envs.make("bandit")
+>>> obs, info = env.reset(seed=0)
+"""
+
+from ragen.envs.base import TextEnv, build_config
+from ragen.envs.registry import env_config_fields, make, register, registered
+
+# Built-in envs register themselves on import.
+from ragen.envs import bandit as _bandit  # noqa: E402,F401
+try:  # TEMP until the sokoban module lands
+    from ragen.envs import sokoban as _sokoban  # noqa: E402,F401
+except ImportError:
+    pass
+
+__all__ = ["TextEnv", "build_config", "make", "register", "registered", "env_config_fields"]

@@ -1,0 +1,128 @@
+"""Two-armed bandit whose arms are named: the names hint at the payoff (RAGEN's Bandit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from ragen.envs.base import TextEnv, build_config
+from ragen.envs.registry import register
+
+# Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
+# risky one that pays a lot, rarely, and more on average. The test lists share no name with
+# the train lists, so a policy that learned the *meaning* (risk) and not the names generalises.
+NAMES = {
+    "train": {
+        "low": ["Teacher", "Librarian", "Accountant", "Gardener", "Baker", "Nurse", "Clerk", "Tailor"],
+        "high": ["Gambler", "Explorer", "Stuntman", "Pirate", "Daredevil", "Smuggler", "Adventurer", "Speculator"],
+    },
+    "test": {
+        "low": ["Postman", "Cashier", "Janitor", "Plumber", "Dentist", "Pharmacist"],
+        "high": ["Skydiver", "Treasure Hunter", "Bounty Hunter", "Mercenary", "Racer", "Volcanologist"],
+    },
+}
+
+_CHARSET = frozenset("".join(chr(c) for c in range(32, 127)) + "\n")
+
+
+@register("bandit")
+class BanditEnv(TextEnv):
+    """Two-armed bandit, one pull per episode.
+
+    ## Description
+    Two arms are named per seed, one drawn from a list of low-risk names and one from a
+    list of high-risk names, shown in random order. The low arm pays ``low_payoff``
+    (0.1) for sure; the high arm pays ``high_payoff`` (1.0) with probability
+    ``high_prob`` (0.25), else 0, so it is better on average (0.25 > 0.1). As in RAGEN,
+    the agent must infer from the names alone which arm is which.
+
+    ## Action Space
+    ``Discrete(2, start=1)``: 1 pulls the first listed arm, 2 the second. In text the
+    agent answers with the arm's name (``parse_action``).
+
+    ## Observation Space
+    ``Text``: a sentence listing both arms.
+
+    ## Starting State
+    Arm names and their order are drawn from ``np_random`` at ``reset(seed=...)``.
+
+    ## Rewards
+    The arm's payoff. The payoff draw uses the same seeded generator, so the same seed
+    and action always give the same reward.
+
+    ## Episode End
+    After one pull (terminated).
+
+    ## Information
+    ``success`` (the high arm was pulled), ``action_is_valid``, ``action_is_effective``
+    (always True for a valid pull), ``high_arm`` (its name).
+
+    ## Arguments
+    ``name_set`` ("train" | "test"), ``low_payoff``, ``high_payoff``, ``high_prob``.
+    """
+
+    description = "Two named arms, one pull: infer from the names which arm pays more on average."
+    instructions = (
+        "You are playing a bandit game. Goal: maximize your total reward by choosing which arm to pull.\n"
+        "There are 2 arms, named by occupations. Each arm has its own reward distribution, related to its name: "
+        "think about what each name suggests about risk and reward.\n"
+        "Answer with the name of the arm you pull, for example <answer>NAME</answer>."
+    )
+    action_space = spaces.Discrete(2, start=1)
+    observation_space = spaces.Text(min_length=0, max_length=512, charset=_CHARSET)
+
+    @dataclass
+    class Config:
+        name_set: str = "train"
+        low_payoff: float = 0.1
+        high_payoff: float = 1.0
+        high_prob: float = 0.25
+
+        def validate(self) -> None:
+            if self.name_set not in NAMES:
+                raise ValueError(f"bandit: name_set must be one of {sorted(NAMES)}, got {self.name_set!r}")
+            if not 0.0 <= self.high_prob <= 1.0:
+                raise ValueError(f"bandit: high_prob must be in [0, 1], got {self.high_prob}")
+
+    def __init__(self, render_mode: str | None = None, **cfg: Any):
+        self.config = build_config(self.Config, cfg, "bandit")
+        self.render_mode = render_mode
+        self.action_lookup = {1: "", 2: ""}
+        self.high_action = 0
+        self._done = True
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        names = NAMES[self.config.name_set]
+        low = names["low"][self.np_random.integers(len(names["low"]))]
+        high = names["high"][self.np_random.integers(len(names["high"]))]
+        self.high_action = int(self.np_random.integers(1, 3))
+        self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
+        self._done = False
+        return self.render(), {"high_arm": high}
+
+    def step(self, action):
+        if self._done:
+            raise ValueError("bandit: episode is over; call reset()")
+        action = self.check_action(action)
+        won = bool(self.np_random.random() < self.config.high_prob)
+        if action == self.high_action:
+            reward = self.config.high_payoff if won else 0.0
+        else:
+            reward = self.config.low_payoff
+        self._done = True
+        info = {
+            "success": action == self.high_action,
+            "action_is_valid": True,
+            "action_is_effective": True,
+            "high_arm": self.action_lookup[self.high_action],
+        }
+        return self.render(), float(reward), True, False, info
+
+    def render(self) -> str:
+        if self._done and not self.action_lookup[1]:
+            return ""
+        return f"The arms are: {self.action_lookup[1]} and {self.action_lookup[2]}. Which arm do you pull?"

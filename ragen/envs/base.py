@@ -1,0 +1,77 @@
+"""The contract every ragen environment follows.
+
+A ragen env is a :class:`gymnasium.Env` whose observations are text. On top of
+gymnasium's API it exposes what the agent layer needs to talk to a language
+model, and nothing about models or tokens:
+
+* ``instructions`` -- the task description shown once, before the first observation;
+* ``action_lookup`` -- ``{action_id: action_name}``; may change on ``reset`` (Bandit);
+* ``parse_action(text) -> int | None`` -- map one answer string to an action id;
+* ``info`` from ``step`` always has ``success``, ``action_is_valid`` and
+  ``action_is_effective``.
+
+``step`` accepts an action id. Stepping with an id outside ``action_lookup``
+is a programming error and raises ``ValueError``; the *agent* turns malformed model
+text into a format penalty before it ever reaches the env.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dataclasses
+
+import gymnasium as gym
+
+
+def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
+    """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    for key, value in cfg.items():
+        if key not in fields:
+            raise ValueError(f"{env_name}: unknown config key {key!r}; known keys: {', '.join(fields)}")
+        default = fields[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"{env_name}: config key {key!r} must be a bool, got {value!r}")
+        if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{env_name}: config key {key!r} must be an int, got {value!r}")
+        if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{env_name}: config key {key!r} must be a number, got {value!r}")
+    config = config_cls(**cfg)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+class TextEnv(gym.Env):
+    """Base class for text-observation envs. Subclasses implement ``reset``/``step``."""
+
+    metadata = {"render_modes": ["text"]}
+    #: One-line description shown by ``ragen envs``.
+    description: str = ""
+    instructions: str = ""
+    action_lookup: dict[int, str] = {}
+
+    def parse_action(self, text: str) -> int | None:
+        """Return the action id named by ``text`` (case- and space-insensitive), else None."""
+        key = " ".join(text.split()).lower()
+        for action_id, name in self.action_lookup.items():
+            if name.lower() == key:
+                return action_id
+        return None
+
+    def check_action(self, action: Any) -> int:
+        """Validate an action id for ``step``; raise a clear ``ValueError`` otherwise."""
+        try:
+            action_id = int(action)
+        except (TypeError, ValueError):
+            raise ValueError(f"{type(self).__name__}: action must be an int id, got {action!r}") from None
+        if action_id not in self.action_lookup:
+            raise ValueError(
+                f"{type(self).__name__}: invalid action id {action_id}; valid ids are {sorted(self.action_lookup)}"
+            )
+        return action_id
+
+    def render(self) -> str:  # pragma: no cover - subclasses override
+        raise NotImplementedError

@@ -1,0 +1,42 @@
+"""Name → env-class registry. ``ragen.envs.register`` lets user code add envs without editing ragen."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import gymnasium as gym
+
+_REGISTRY: dict[str, Callable[..., gym.Env]] = {}
+
+
+def register(name: str, factory: Callable[..., gym.Env] | None = None):
+    """Register ``factory`` (usually an env class) under ``name``. Usable as a decorator."""
+
+    def _add(f: Callable[..., gym.Env]):
+        if name in _REGISTRY and _REGISTRY[name] is not f:
+            raise ValueError(f"env name {name!r} is already registered to {_REGISTRY[name]!r}")
+        _REGISTRY[name] = f
+        return f
+
+    return _add(factory) if factory is not None else _add
+
+
+def make(name: str, **cfg: Any) -> gym.Env:
+    """Build the env registered as ``name`` with keyword config ``cfg``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown env {name!r}; registered envs: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**cfg)
+
+
+def registered() -> dict[str, Callable[..., gym.Env]]:
+    return dict(_REGISTRY)
+
+
+def env_config_fields(name: str) -> dict[str, Any]:
+    """Config knobs of env ``name`` with defaults, read from its ``Config`` dataclass if it has one."""
+    cls = _REGISTRY[name]
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is None or not dataclasses.is_dataclass(config_cls):
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(config_cls)}

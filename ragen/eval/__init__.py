@@ -1,0 +1,5 @@
+"""Evaluation: validation on held-out seeds and episode metrics."""
+
+from ragen.eval.metrics import episode_metrics
+
+__all__ = ["episode_metrics"]

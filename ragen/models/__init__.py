@@ -1,0 +1,7 @@
+"""Models: loading (embedded default, tiny test model, any HF dir), LoRA, and generation backends."""
+
+from ragen.models.backend import Generation, HFBackend, SamplingParams, autocast
+from ragen.models.loading import BUILTIN_MODELS, ModelLoadError, load_model
+from ragen.models.lora import apply_lora
+
+__all__ = ["Generation", "HFBackend", "SamplingParams", "autocast", "BUILTIN_MODELS", "ModelLoadError", "load_model", "apply_lora"]
