@@ -91,3 +91,77 @@ def entropy_loss(entropy: Tensor, mask: Tensor, loss_agg_mode: str = "token-mean
     from the loss (entropy bonus, Schulman et al. 2017 eq. 9 / Mnih et al. 2016).
     """
     return aggregate_loss(entropy, mask, loss_agg_mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL penalty estimators (Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html)
+# ---------------------------------------------------------------------------------------------
+
+
+def _kl_k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio  # log π/π_ref: unbiased, high variance, can be negative
+
+
+def _kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.square()  # ½ (log π/π_ref)²: biased, low variance, ≥ 0
+
+
+def _kl_k3(log_ratio: Tensor) -> Tensor:
+    return torch.expm1(-log_ratio) + log_ratio  # π_ref/π − 1 − log(π_ref/π): unbiased, ≥ 0
+
+
+KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020's k1/k2/k3).
+
+    With x = logprobs − ref_logprobs (B, T):
+        k1 = x,   k2 = ½·x²,   k3 = exp(−x) − 1 + x   (GRPO's KL term, Shao et al. 2024 eq. 4)
+    Returns (B, T); aggregate with :func:`ragen.algos.core.aggregate_loss`. ValueError on an
+    unknown ``kind``.
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](logprobs - ref_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# critic
+# ---------------------------------------------------------------------------------------------
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range_value: float | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO critic loss with value clipping (OpenAI baselines ppo2; Engstrom et al. 2020,
+    "Implementation Matters in Deep Policy Gradients", §3 "value function clipping").
+
+    Per token (all (B, T)):
+        V_clip = old_values + clip(values − old_values, −c, c)
+        l = ½·max((values − returns)², (V_clip − returns)²)          (c = ``clip_range_value``)
+    and l = ½·(values − returns)² when ``clip_range_value`` is None; aggregated over ``mask`` with
+    ``loss_agg_mode``. Returns ``(loss, metrics)`` with ``critic/vf_loss``, ``critic/vf_clipfrac``
+    (fraction of masked tokens where the clipped term is selected) and ``critic/vpred_mean``.
+    """
+    unclipped = (values - returns).square()  # (B, T)
+    per_token = unclipped
+    clipped_active = torch.zeros_like(unclipped, dtype=torch.bool)
+    if clip_range_value is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)  # (B, T)
+        clipped = (v_clip - returns).square()
+        clipped_active = clipped > unclipped
+        per_token = torch.maximum(unclipped, clipped)
+    loss = 0.5 * aggregate_loss(per_token, mask, loss_agg_mode)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": float(loss.detach()),
+            "critic/vf_clipfrac": _frac(clipped_active, mask),
+            "critic/vpred_mean": float(masked_mean(values, mask)),
+        }
+    return loss, metrics

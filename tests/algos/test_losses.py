@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ragen.algos import aggregate_loss, clipped_policy_loss, entropy_loss, get_policy_loss
+from ragen.algos import aggregate_loss, clipped_policy_loss, entropy_loss, get_policy_loss, kl_penalty, value_loss
 
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-6)  # noqa: E731
 
@@ -130,3 +130,65 @@ GOLDEN_ENT = {"token-mean": 7 / 3, "seq-mean-token-mean": 2.75, "seq-mean-token-
 @pytest.mark.parametrize("mode", list(GOLDEN_ENT))
 def test_entropy_loss_golden(mode):
     assert float(entropy_loss(ENT, ENT_MASK, mode)) == approx(GOLDEN_ENT[mode])
+
+
+# ---------------------------------------------------------------------------------------------
+# KL penalty
+# ---------------------------------------------------------------------------------------------
+# x = logp - ref: column 0: ln0.5 - ln0.25 = ln2 = 0.6931472; column 1: ln0.25 - ln0.5 = -0.6931472
+#   k1 = x                   → 0.6931472, -0.6931472
+#   k2 = x²/2 = 0.480453/2   → 0.2402265,  0.2402265
+#   k3 = e^{-x} - 1 + x      → 0.5 - 1 + 0.6931472 = 0.1931472,  2 - 1 - 0.6931472 = 0.3068528
+KL_GOLDEN = {"k1": [0.6931472, -0.6931472], "k2": [0.2402265, 0.2402265], "k3": [0.1931472, 0.3068528]}
+
+
+@pytest.mark.parametrize("kind", list(KL_GOLDEN))
+def test_kl_penalty_golden(kind):
+    logp = torch.tensor([[0.5, 0.25]]).log()
+    ref = torch.tensor([[0.25, 0.5]]).log()
+    torch.testing.assert_close(kl_penalty(logp, ref, kind), torch.tensor([KL_GOLDEN[kind]]))
+
+
+def test_kl_penalty_zero_at_equal_policies_and_unknown_kind():
+    x = torch.randn(3, 4)
+    for kind in KL_GOLDEN:
+        assert torch.equal(kl_penalty(x, x, kind), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="k3"):
+        kl_penalty(x, x, "k9")
+
+
+# ---------------------------------------------------------------------------------------------
+# value loss (PPO value clipping), clip_range_value = 0.2
+# ---------------------------------------------------------------------------------------------
+#   (0,0) v=1.0 old=0.8 R=1.5: v_clip = 0.8 + 0.2 = 1.0; max(0.25, 0.25)          = 0.25
+#   (0,1) v=2.0 old=1.0 R=1.0: v_clip = 1.2;       max((1)², (0.2)² = 0.04)        = 1.0
+#   (1,0) v=0.0 old=0.5 R=1.0: v_clip = 0.3;       max(1, (0.7)² = 0.49)           = 1.0
+#   (1,1) v=3.0 old=2.0 R=3.0: v_clip = 2.2;       max(0, (0.8)² = 0.64)           = 0.64  clipped
+#   (·,2) masked out
+# token-mean: ½ (0.25 + 1 + 1 + 0.64) / 4 = ½ · 0.7225 = 0.36125; without clipping ½ · 2.25/4 = 0.28125
+# seq-mean-token-sum: ½ ((0.25 + 1) + (1 + 0.64)) / 2 = ½ · 1.445 = 0.7225
+V = torch.tensor([[1.0, 2.0, 0.5], [0.0, 3.0, 7.0]])
+V_OLD = torch.tensor([[0.8, 1.0, 0.5], [0.5, 2.0, 0.0]])
+V_RET = torch.tensor([[1.5, 1.0, 3.0], [1.0, 3.0, 0.0]])
+V_MASK = torch.tensor([[1, 1, 0], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    "clip,mode,expected",
+    [(0.2, "token-mean", 0.36125), (None, "token-mean", 0.28125), (0.2, "seq-mean-token-sum", 0.7225)],
+)
+def test_value_loss_golden(clip, mode, expected):
+    loss, metrics = value_loss(V, V_OLD, V_RET, V_MASK, clip_range_value=clip, loss_agg_mode=mode)
+    assert float(loss) == approx(expected)
+    assert metrics["critic/vf_loss"] == approx(expected)
+    assert metrics["critic/vf_clipfrac"] == approx(0.25 if clip else 0.0)
+    assert metrics["critic/vpred_mean"] == approx(1.5)  # (1 + 2 + 0 + 3) / 4
+
+
+def test_value_loss_clipped_token_has_no_gradient():
+    v = V.clone().requires_grad_()
+    loss, _ = value_loss(v, V_OLD, V_RET, V_MASK, clip_range_value=0.2)
+    (grad,) = torch.autograd.grad(loss, v)
+    # ½ · 2 (v - R) / 4 on unclipped-selected tokens: (1-1.5)/4 = -0.125, (2-1)/4 = 0.25, (0-1)/4 = -0.25;
+    # (1,1) selects the clipped branch, whose v_clip is saturated → 0; masked tokens → 0
+    torch.testing.assert_close(grad, torch.tensor([[-0.125, 0.25, 0.0], [-0.25, 0.0, 0.0]]))

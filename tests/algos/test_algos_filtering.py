@@ -1,0 +1,54 @@
+"""StarPO-S uncertainty filtering: golden selections and metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen.algos import uncertainty_filter
+
+approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-6)  # noqa: E731
+
+# 4 groups of 2, interleaved in the batch, non-contiguous ids:
+#   id 3: scores (1, 1) → std 0
+#   id 5: scores (0, 2) → unbiased std sqrt((1 + 1) / 1) = √2      = 1.4142136
+#   id 8: scores (0, 1) → sqrt((0.25 + 0.25) / 1) = √0.5           = 0.7071068
+#   id 9: scores (0, 4) → sqrt((4 + 4) / 1) = √8                    = 2.8284271
+# ranking: 9 > 5 > 8 > 3; std shares ∝ (2, 1, 0.5, 0) → 4/7, 2/7, 1/7, 0; cumulative 4/7, 6/7, 1, 1
+# std_before = (0 + 1.4142136 + 0.7071068 + 2.8284271) / 4 = 4.9497475 / 4 = 1.2374369
+GROUPS = torch.tensor([3, 5, 8, 9, 3, 5, 8, 9])
+SCORES = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 2.0, 1.0, 4.0])
+KEEP = {  # group ids kept
+    ("top_k", 0.25): {9},  # ⌊0.25·4⌋ = 1
+    ("top_k", 0.5): {9, 5},  # ⌊0.5·4⌋ = 2
+    ("top_k", 0.1): {9},  # ⌊0.4⌋ = 0 → at least 1
+    ("top_p", 0.25): {9},  # 4/7 ≥ 0.25
+    ("top_p", 0.6): {9, 5},  # 4/7 < 0.6 ≤ 6/7
+    ("top_p", 0.9): {9, 5, 8},  # 6/7 < 0.9 ≤ 1
+    ("top_p", 1.0): {3, 5, 8, 9},  # keep_ratio ≥ 1 keeps everything
+}
+STD = {3: 0.0, 5: 1.4142136, 8: 0.7071068, 9: 2.8284271}
+
+
+@pytest.mark.parametrize("mode,ratio", list(KEEP))
+def test_uncertainty_filter_golden(mode, ratio):
+    keep, metrics = uncertainty_filter(SCORES, GROUPS, keep_ratio=ratio, mode=mode)
+    kept = KEEP[(mode, ratio)]
+    assert keep.tolist() == [int(g) in kept for g in GROUPS]
+    assert metrics["filter/kept_ratio"] == approx(2 * len(kept) / 8)
+    assert metrics["filter/std_before"] == approx(1.2374369)
+    assert metrics["filter/std_after"] == approx(sum(STD[g] for g in kept) / len(kept))
+
+
+def test_all_zero_std_top_p_is_uniform():
+    # no signal anywhere: shares 1/4 each → keep_ratio 0.5 keeps 2 groups (lowest ids on ties)
+    keep, metrics = uncertainty_filter(torch.ones(8), GROUPS, keep_ratio=0.5, mode="top_p")
+    assert keep.tolist() == [int(g) in {3, 5} for g in GROUPS]
+    assert metrics["filter/std_after"] == 0.0
+
+
+def test_unknown_mode_and_bad_ratio():
+    with pytest.raises(ValueError, match="top_k"):
+        uncertainty_filter(SCORES, GROUPS, mode="nope")
+    with pytest.raises(ValueError):
+        uncertainty_filter(SCORES, GROUPS, keep_ratio=0.0)
