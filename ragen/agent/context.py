@@ -82,15 +82,15 @@ class PromptFormat:
 
     def format_instruction(self) -> str:
         if self.enable_think:
-            shape = "<think> [your reasoning] </think> <answer> [your answer] </answer>"
+            shape = "<think>...</think><answer>...</answer>"
         else:
-            shape = "<answer> [your answer] </answer>"
+            shape = "<answer>...</answer>"
         many = (
             f" You may give up to {self.max_actions_per_turn} actions, separated by {self.action_sep}."
             if self.max_actions_per_turn > 1
             else ""
         )
-        return f"Always answer in the form {shape} with no extra text.{many}"
+        return f"Answer format: {shape}{many}"
 
     def first_user_message(self, instructions: str, observation: str, turn: int, actions_left: int | None) -> str:
         return f"{instructions}\n{self.format_instruction()}\n\n{self.turn_text(observation, turn, actions_left)}"

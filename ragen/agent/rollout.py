@@ -41,6 +41,8 @@ class _Episode:
     traj: Trajectory
     messages: list[dict]
     actions_left: int | None
+    #: The env's latest observation text (repeated after an invalid answer).
+    observation: str = ""
 
 
 class Rollout:
@@ -83,7 +85,7 @@ class Rollout:
         messages.append({"role": "user", "content": user})
         traj.initial_observation = observation
         self._append(traj, self.chat.prompt_ids(messages) + self.prefix_ids, model_wrote=False)
-        return _Episode(env, traj, messages, actions_left)
+        return _Episode(env, traj, messages, actions_left, observation)
 
     def _take_turn(self, ep: _Episode, token_ids: list[int], finish_reason: str, last_turn: bool) -> None:
         traj = ep.traj
@@ -106,15 +108,13 @@ class Rollout:
         if ep.actions_left is not None:
             action_ids = action_ids[: ep.actions_left]
         turn = Turn(response=text, actions=parsed.actions, format_valid=parsed.format_valid, env_reward=0.0, format_penalty=0.0)
-        observation = ""
         if parsed.format_valid:
-            observation = self._step(ep, action_ids, turn)
+            ep.observation = self._step(ep, action_ids, turn)
         else:
             turn.format_penalty = self.settings.format_penalty
             turn.info["format_error"] = parsed.error
             feedback = f"Your answer was invalid ({parsed.error}); the state did not change."
-            observation = env.render()
-        turn.observation = observation
+        observation = turn.observation = ep.observation
         traj.turns.append(turn)
         if ep.actions_left is not None and ep.actions_left <= 0:
             traj.done = True
@@ -132,7 +132,7 @@ class Rollout:
 
     def _step(self, ep: _Episode, action_ids: list[int], turn: Turn) -> str:
         """Step the env with each action in turn; return the final observation text."""
-        traj, observation = ep.traj, ""
+        traj, observation = ep.traj, ep.observation
         for action_id in action_ids:
             try:
                 observation, reward, terminated, truncated, info = ep.env.step(action_id)

@@ -10,9 +10,6 @@ from ragen.envs.registry import env_config_fields, make, register, registered
 
 # Built-in envs register themselves on import.
 from ragen.envs import bandit as _bandit  # noqa: E402,F401
-try:  # TEMP until the sokoban module lands
-    from ragen.envs import sokoban as _sokoban  # noqa: E402,F401
-except ImportError:
-    pass
+from ragen.envs import sokoban as _sokoban  # noqa: E402,F401
 
 __all__ = ["TextEnv", "build_config", "make", "register", "registered", "env_config_fields"]

@@ -66,10 +66,8 @@ class BanditEnv(TextEnv):
 
     description = "Two named arms, one pull: infer from the names which arm pays more on average."
     instructions = (
-        "You are playing a bandit game. Goal: maximize your total reward by choosing which arm to pull.\n"
-        "There are 2 arms, named by occupations. Each arm has its own reward distribution, related to its name: "
-        "think about what each name suggests about risk and reward.\n"
-        "Answer with the name of the arm you pull, for example <answer>NAME</answer>."
+        "Bandit game: pull one of two arms to maximize your reward. "
+        "Each arm's reward distribution is related to its name."
     )
     action_space = spaces.Discrete(2, start=1)
     observation_space = spaces.Text(min_length=0, max_length=512, charset=_CHARSET)
@@ -125,4 +123,5 @@ class BanditEnv(TextEnv):
     def render(self) -> str:
         if self._done and not self.action_lookup[1]:
             return ""
-        return f"The arms are: {self.action_lookup[1]} and {self.action_lookup[2]}. Which arm do you pull?"
+        first, second = self.action_lookup[1], self.action_lookup[2]
+        return f"The arms are {first} and {second}. Which arm do you pull? Reply with its name only, like <answer>{first}</answer>."

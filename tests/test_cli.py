@@ -1,0 +1,46 @@
+"""The ``ragen`` command: config errors exit 2 naming the key; ``ragen envs`` lists envs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ragen.cli import main
+from ragen.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.bogus=1", "config key 'trainer.bogus'"),
+        ("trainer.total_steps=abc", "config key 'trainer.total_steps'"),
+        ("nonsense=1", "config key 'nonsense'"),
+        ("rollout.group_size=0", "config key 'rollout.group_size': must be >= 1"),
+        ("trainer.precision=fp8", "config key 'trainer.precision'"),
+        ("notakeyvalue", "is not key=value"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(override, message, capsys):
+    assert main(["train", "bandit", "model=tiny", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_env_config_and_model_path_exit_2(capsys, tmp_path):
+    assert main(["train", "bandit", "model=tiny", "env.config.arms=3", f"trainer.output_dir={tmp_path/'a'}"]) == 2
+    assert "unknown config key 'arms'" in capsys.readouterr().err
+    assert main(["train", "bandit", f"model={tmp_path}", f"trainer.output_dir={tmp_path/'b'}"]) == 2
+    assert "is not a model" in capsys.readouterr().err
+
+
+def test_presets_and_overrides_layer():
+    config = load_config("bandit", ["trainer.total_steps=3", "optim.lr=1e-5"])
+    assert config.env.name == "bandit" and config.trainer.total_steps == 3 and config.optim.lr == 1e-5
+    assert load_config("sokoban").env.name == "sokoban"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("missing.yaml")
+
+
+def test_ragen_envs_lists_builtin_envs():
+    out = subprocess.run([sys.executable, "-m", "ragen", "envs"], capture_output=True, text=True, check=True).stdout
+    assert "bandit" in out and "sokoban" in out and "max_steps" in out
