@@ -1,0 +1,295 @@
+"""FrozenLake with text observations, built on gymnasium's own ``FrozenLakeEnv`` (RAGEN's FrozenLake)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
+from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+from ragen.envs.base import TextEnv, build_config
+from ragen.envs.registry import register
+
+#: Our action ids -> gymnasium's (0 Left, 1 Down, 2 Right, 3 Up).
+ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
+TO_GYM_ACTION = {1: 0, 2: 1, 3: 2, 4: 3}
+
+SYMBOL_LEGEND = "P: player, _: frozen ice, O: hole, G: goal, X: player fell into a hole, √: player on the goal"
+_CHARSET = frozenset("P_OGX√\n")
+
+
+@register("frozen_lake")
+class FrozenLakeEnv(TextEnv):
+    """Cross a frozen lake from the start to the goal without falling into a hole.
+
+    ## Description
+    Gymnasium's ``FrozenLake`` (its transition table ``P`` and its ``step`` do all the
+    dynamics; this class only adds the text layer, the map generation and the time
+    limit). Each ``reset`` draws a ``size`` x ``size`` map with
+    ``gymnasium.envs.toy_text.frozen_lake.generate_random_map`` (start top-left, goal
+    bottom-right, a path between them guaranteed); ``reset(options={"map": ROWS})``
+    plays a given map instead (rows of ``S``/``F``/``H``/``G``, one ``S`` and one ``G``).
+
+    ## Action Space
+    ``Discrete(4, start=1)``: 1 Left, 2 Down, 3 Right, 4 Up (gymnasium's 0..3 plus one).
+    With ``is_slippery`` the player moves in the intended direction with probability
+    ``success_rate`` and in each perpendicular direction with ``(1 - success_rate) / 2``.
+
+    ## Observation Space
+    ``Text``: one row per line, ``P`` player, ``_`` frozen (the start cell too), ``O``
+    hole, ``G`` goal, ``X`` player in a hole, ``√`` player on the goal.
+
+    ## Starting State
+    The player on ``S``. The map comes from a generator spawned from ``np_random``
+    (``np_random.spawn``), so it does not consume ``np_random``'s stream: the slip draws
+    are exactly those of ``gymnasium.make("FrozenLake-v1", desc=MAP)`` reset with the
+    same seed.
+
+    ## Rewards
+    1 on reaching the goal, else 0.
+
+    ## Episode End
+    Terminated on a hole or the goal; truncated after ``max_steps`` steps. Stepping after
+    either raises ``ValueError``.
+
+    ## Information
+    ``success`` (on the goal), ``action_is_valid`` (always True: invalid ids raise),
+    ``action_is_effective`` (the position changed), ``prob`` (gymnasium's transition
+    probability of the move taken).
+
+    ## Arguments
+    ``size`` (>= 2), ``p`` (frozen probability of a generated cell, in (0, 1]),
+    ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``.
+
+    See :func:`solve` (optimal policy by value iteration) and :func:`success_probability`.
+    """
+
+    description = "FrozenLake: walk over slippery ice from the start to the goal without falling into a hole."
+    action_lookup = dict(ACTION_LOOKUP)
+    action_space = spaces.Discrete(4, start=1)
+
+    @dataclass
+    class Config:
+        size: int = 4
+        p: float = 0.8
+        is_slippery: bool = True
+        success_rate: float = 1.0 / 3.0
+        max_steps: int = 100
+
+        def validate(self) -> None:
+            if self.size < 2:
+                raise ValueError(f"frozen_lake: size must be >= 2, got {self.size}")
+            if not 0.0 < self.p <= 1.0:
+                raise ValueError(f"frozen_lake: p (frozen probability) must be in (0, 1], got {self.p}")
+            if not 0.0 < self.success_rate <= 1.0:
+                raise ValueError(f"frozen_lake: success_rate must be in (0, 1], got {self.success_rate}")
+            if self.max_steps <= 0:
+                raise ValueError(f"frozen_lake: max_steps must be positive, got {self.max_steps}")
+
+    def __init__(self, render_mode: str | None = None, **cfg: Any):
+        self.config = build_config(self.Config, cfg, "frozen_lake")
+        self.render_mode = render_mode
+        self.instructions = (
+            "You are playing FrozenLake: walk from the start to the goal G without falling into a hole O. "
+            "The ice is slippery: you may move perpendicular to the direction you chose.\n"
+            f"The meaning of each symbol in the state is:\n{SYMBOL_LEGEND}\n"
+            "Valid actions: " + ", ".join(ACTION_LOOKUP.values())
+        )
+        self.observation_space = _observation_space(self.config.size, self.config.size)
+        self.lake: GymFrozenLake | None = None
+        self.num_steps = 0
+        self._done = True
+
+    @property
+    def desc(self) -> list[str]:
+        """The current map as rows of ``S``/``F``/``H``/``G``."""
+        return ["".join(ch.decode() for ch in row) for row in self.lake.desc]
+
+    @property
+    def state(self) -> int:
+        """gymnasium's state index ``row * ncol + col`` of the player."""
+        return int(self.lake.s)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Start on a generated map, or on ``options["map"]`` (a list of rows or a newline-separated string)."""
+        super().reset(seed=seed)
+        given = (options or {}).get("map")
+        c = self.config
+        if given is None:
+            # A child generator: the map is a function of the seed, and np_random's own stream is untouched.
+            map_seed = int(self.np_random.spawn(1)[0].integers(2**32))
+            desc = generate_random_map(size=c.size, p=c.p, seed=map_seed)
+        else:
+            desc = parse_map(given)
+            space = _observation_space(len(desc), len(desc[0]))
+            if space.max_length > self.observation_space.max_length:
+                self.observation_space = space
+        self.lake = GymFrozenLake(desc=desc, is_slippery=c.is_slippery, success_rate=c.success_rate)
+        self.lake.np_random = self.np_random  # share the seeded generator: same draws as gymnasium's env
+        self.lake.reset()
+        self.num_steps = 0
+        self._done = False
+        return self.render(), {"success": False}
+
+    def step(self, action):
+        action = self.check_action(action)
+        if self._done:
+            raise ValueError("frozen_lake: episode is over; call reset()")
+        before = self.lake.s
+        state, reward, terminated, _, gym_info = self.lake.step(TO_GYM_ACTION[action])
+        self.num_steps += 1
+        success = self._cell(state) == "G"
+        truncated = not terminated and self.num_steps >= self.config.max_steps
+        self._done = terminated or truncated
+        info = {
+            "success": success,
+            "action_is_valid": True,
+            "action_is_effective": int(state) != int(before),
+            "prob": float(gym_info["prob"]),
+        }
+        return self.render(), 1.0 if success else 0.0, bool(terminated), truncated, info
+
+    def render(self) -> str:
+        """The current observation text (empty before the first ``reset``)."""
+        if self.lake is None:
+            return ""
+        ncol = self.lake.ncol
+        player = divmod(int(self.lake.s), ncol)
+        lines = []
+        for r, row in enumerate(self.desc):
+            cells = []
+            for col, ch in enumerate(row):
+                if (r, col) == player:
+                    cells.append({"H": "X", "G": "√"}.get(ch, "P"))
+                else:
+                    cells.append({"S": "_", "F": "_", "H": "O", "G": "G"}[ch])
+            lines.append("".join(cells))
+        return "\n".join(lines)
+
+    def _cell(self, state: int) -> str:
+        r, col = divmod(int(state), self.lake.ncol)
+        return self.lake.desc[r, col].decode()
+
+
+def parse_map(given: Any) -> list[str]:
+    """Validate a map (rows or a newline-separated string); raise ``ValueError`` naming the problem."""
+    if isinstance(given, str):
+        rows = [line.strip() for line in given.strip().splitlines() if line.strip()]
+    elif isinstance(given, (list, tuple)) and all(isinstance(r, str) for r in given):
+        rows = [str(r) for r in given]
+    else:
+        raise ValueError(f"frozen_lake map: must be a list of row strings, got {given!r}")
+    if not rows or not rows[0]:
+        raise ValueError(f"frozen_lake map: must be non-empty, got {given!r}")
+    lengths = sorted({len(r) for r in rows})
+    if len(lengths) > 1:
+        raise ValueError(f"frozen_lake map: ragged rows (lengths {lengths}); all rows need the same length")
+    bad = sorted(set("".join(rows)) - set("SFHG"))
+    if bad:
+        raise ValueError(f"frozen_lake map: unknown characters {bad}; only S, F, H and G are allowed")
+    text = "".join(rows)
+    for ch in "SG":
+        if text.count(ch) != 1:
+            raise ValueError(f"frozen_lake map: needs exactly one {ch!r}, found {text.count(ch)}")
+    return rows
+
+
+def _observation_space(nrow: int, ncol: int) -> spaces.Text:
+    return spaces.Text(min_length=1, max_length=nrow * (ncol + 1), charset=_CHARSET)
+
+
+def _transitions(env: Any) -> dict:
+    """gymnasium's ``P`` table of a reset ragen FrozenLake env or of a gymnasium FrozenLake env."""
+    lake = getattr(env, "lake", None)
+    if lake is None:
+        lake = getattr(env, "unwrapped", env)
+    if not hasattr(lake, "P"):
+        raise ValueError(f"frozen_lake solve: expected a reset FrozenLake env, got {env!r}")
+    return lake
+
+
+def _value_iteration(lake, tol: float = 1e-12, max_iters: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
+    """Undiscounted infinite-horizon values (probability of ever reaching G) and an optimal policy (0..3).
+
+    Undiscounted, every action that keeps the success probability is "optimal", including
+    ones that loop forever (walking into the border). So the policy is built backwards from
+    the goal: a state gets an optimal action with a positive chance of reaching a state that
+    already has one (the classic proper-policy construction for maximal reachability).
+    """
+    n_states = lake.observation_space.n
+    goal = lake.desc.ravel() == b"G"
+    terminal = goal | (lake.desc.ravel() == b"H")
+    q = np.zeros((n_states, 4))
+    values = np.zeros(n_states)
+    for _ in range(max_iters):
+        for s in range(n_states):
+            for a in range(4):
+                q[s, a] = sum(p * (1.0 if goal[s2] else (0.0 if done else values[s2])) for p, s2, _, done in lake.P[s][a])
+        new = q.max(axis=1)
+        new[terminal] = 0.0  # nothing more to gain on the goal (its reward was counted on arrival) or in a hole
+        delta = np.abs(new - values).max()
+        values = new
+        if delta < tol:
+            break
+    policy = q.argmax(axis=1)
+    ranked = set(np.flatnonzero(goal).tolist())
+    todo = [s for s in range(n_states) if not terminal[s] and values[s] > 1e-9]
+    changed = True
+    while changed:
+        changed = False
+        for s in todo:
+            if s in ranked:
+                continue
+            for a in range(4):
+                if q[s, a] >= values[s] - 1e-9 and any(p > 0 and s2 in ranked for p, s2, _, _ in lake.P[s][a]):
+                    policy[s] = a
+                    ranked.add(s)
+                    changed = True
+                    break
+    return values, policy
+
+
+def solve(env: Any) -> dict[int, int]:
+    """An optimal policy ``{state: action_id}`` (ids 1..4) for every non-terminal state.
+
+    Value iteration over gymnasium's transition table ``P``, undiscounted: it maximises the
+    probability of *ever* reaching the goal (infinite horizon; ``max_steps`` is ignored).
+    Among equally good actions it picks one that makes progress towards the goal, so the
+    policy really attains that probability (it never loops forever against a border).
+    """
+    lake = _transitions(env)
+    _, policy = _value_iteration(lake)
+    flat = lake.desc.ravel()
+    return {s: int(policy[s]) + 1 for s in range(len(flat)) if flat[s] not in (b"H", b"G")}
+
+
+def success_probability(env: Any, horizon: int | None = None) -> float:
+    """Exact probability that :func:`solve`'s policy reaches the goal from the start.
+
+    ``horizon=None``: undiscounted, infinite horizon (the optimal value of the start state).
+    ``horizon=N``: the same stationary policy, but the goal must be reached within ``N``
+    steps (e.g. the env's ``max_steps``), computed exactly by propagating the state
+    distribution ``N`` steps.
+    """
+    lake = _transitions(env)
+    values, policy = _value_iteration(lake)
+    start = int(np.flatnonzero(lake.desc.ravel() == b"S")[0])
+    if horizon is None:
+        return float(values[start])
+    goal = lake.desc.ravel() == b"G"
+    dist = np.zeros(len(values))
+    dist[start] = 1.0
+    reached = 0.0
+    for _ in range(horizon):
+        new = np.zeros_like(dist)
+        for s in np.flatnonzero(dist):
+            for p, s2, _, done in lake.P[s][int(policy[s])]:
+                if goal[s2]:
+                    reached += dist[s] * p
+                elif not done:
+                    new[s2] += dist[s] * p
+        dist = new
+    return float(reached)
