@@ -25,6 +25,9 @@ from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_m
 from ragen.train.batch import TrainBatch, collate
 from ragen.train.logprobs import token_logprobs
 
+#: Estimators whose extra inputs (values, anchor states) the trainer does not compute yet.
+NEEDS_CRITIC_OR_ANCHORS = ("gae", "bi_level_gae", "gigpo")
+
 #: Validation seeds start here; training seeds are drawn below it, so the two never overlap.
 VAL_SEED_BASE = 2**31
 
@@ -42,6 +45,11 @@ class StarPOTrainer:
         n_train = config.rollout.env_groups * config.rollout.group_size
         self.train_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(n_train)]
         self.val_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(config.trainer.val_episodes)]
+        if config.algorithm.adv_estimator in NEEDS_CRITIC_OR_ANCHORS:
+            raise ValueError(
+                f"config key 'algorithm.adv_estimator': {config.algorithm.adv_estimator!r} needs a critic or anchor "
+                "states, which the trainer does not provide yet; use one of grpo, dr_grpo, brpo, arpo, rloo, reinforce_pp"
+            )
         self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
         self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
 
