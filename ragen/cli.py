@@ -51,6 +51,16 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_play(args: argparse.Namespace) -> int:
+    from ragen.envs.play import main_play
+
+    try:
+        main_play(args.env, args.overrides, args.seed)
+    except ValueError as exc:
+        return _fail(str(exc))
+    return 0
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -67,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     envs = sub.add_parser("envs", help="list registered envs and their config knobs")
     envs.set_defaults(func=cmd_envs)
+    play = sub.add_parser("play", help="play an env in the terminal, seeing exactly the text the model sees")
+    play.add_argument("env", help="registered env name (see `ragen envs`)")
+    play.add_argument("overrides", nargs="*", help="env config key=value (YAML values), or agent.KEY=value")
+    play.add_argument("--seed", type=int, default=None, help="seed of the episode (default: random)")
+    play.set_defaults(func=cmd_play)
     return parser
 
 
