@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # Nothing may wait on a network that is not there: keep Hugging Face libraries offline
 # unless the user explicitly says otherwise.
@@ -21,10 +22,28 @@ def _fail(message: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ragen.config import ConfigError, load_config
+    from ragen.config import ConfigError, load_config, result_changing_differences
 
+    overrides = list(args.overrides)
+    preset = args.preset
+    if args.resume:
+        # ``ragen train --resume RUN_DIR [key=value ...]``: the positional may be an override.
+        if preset and "=" in preset:
+            overrides.insert(0, preset)
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            return _fail(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        preset = str(saved)
+        overrides.append(f"trainer.output_dir={run_dir}")
+    elif not preset:
+        return _fail("train needs an env preset or a YAML config (or --resume RUN_DIR)")
     try:
-        config = load_config(args.preset, args.overrides)
+        config = load_config(preset, overrides)
+        if args.resume:
+            changed = result_changing_differences(load_config(preset), config)
+            if changed and not args.force:
+                return _fail(f"--resume with a config that changes results ({', '.join(changed)}); pass --force to accept")
     except ConfigError as exc:
         return _fail(str(exc))
     _quiet_transformers()
@@ -32,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ragen.train.trainer import StarPOTrainer
 
     try:
-        trainer = StarPOTrainer(config)
+        trainer = StarPOTrainer(config, resume=bool(args.resume))
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError) as exc:
         return _fail(str(exc))
     except ValueError as exc:  # env/algorithm config rejected by its owner: the message names the key
@@ -61,6 +80,33 @@ def cmd_play(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from ragen.viz.viewer import build_site, serve
+
+    try:
+        index = build_site(args.run_dir, args.out)
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    print(index)
+    if args.serve:
+        serve(index.parent, args.port)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        from ragen.viz.plots import plot_runs
+
+        paths = plot_runs(args.run_dirs, args.out)
+    except ImportError as exc:
+        return _fail(f"plotting needs matplotlib ({exc}); pip install matplotlib")
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    for path in paths:
+        print(path)
+    return 0
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -72,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragen", description="Train LLM agents with multi-turn RL (StarPO).")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a policy with StarPO on an env preset or a YAML config")
-    train.add_argument("preset", help="env preset name (see ragen/configs/) or a YAML config path")
+    train.add_argument("preset", nargs="?", help="env preset name (see ragen/configs/) or a YAML config path")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=20 model=tiny")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
+    train.add_argument("--force", action="store_true", help="with --resume: accept overrides that change results")
     train.set_defaults(func=cmd_train)
     envs = sub.add_parser("envs", help="list registered envs and their config knobs")
     envs.set_defaults(func=cmd_envs)
@@ -82,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     play.add_argument("overrides", nargs="*", help="env config key=value (YAML values), or agent.KEY=value")
     play.add_argument("--seed", type=int, default=None, help="seed of the episode (default: random)")
     play.set_defaults(func=cmd_play)
+    view = sub.add_parser("view", help="write a static HTML viewer of a run's steps and trajectories")
+    view.add_argument("run_dir", help="run directory (with metrics.jsonl and rollouts/)")
+    view.add_argument("--out", default=None, help="output directory (default: RUN_DIR/viewer)")
+    view.add_argument("--serve", action="store_true", help="then serve it on http://127.0.0.1:PORT")
+    view.add_argument("--port", type=int, default=8000, help="port for --serve (default 8000)")
+    view.set_defaults(func=cmd_view)
+    plot = sub.add_parser("plot", help="plot training curves of one or more runs into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    plot.add_argument("--out", default=None, help="PNG file or directory (default: RUN_DIR/curves.png, ./curves.png)")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

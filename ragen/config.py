@@ -70,6 +70,27 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
+    #: Turn-level discount of bi-level GAE (VAGEN's TRICO).
+    high_level_gamma: float = 0.95
+    #: Put each turn's reward on that turn's last token instead of the episode return on the last token.
+    use_turn_rewards: bool = False
+    #: GiGPO's weight of the step-level (anchor-state) advantage.
+    gigpo_step_weight: float = 1.0
+    #: StarPO-S uncertainty filtering: keep this share of groups, highest in-group reward std first (1 = off).
+    filter_ratio: float = 1.0
+    #: "top_p" (share of the summed std) or "top_k" (share of the groups).
+    filter_mode: str = "top_p"
+    #: KL to the initial policy as a loss term (StarPO-S removes it: off by default).
+    use_kl_loss: bool = False
+    #: KL to the initial policy as a per-token reward penalty.
+    use_kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    #: KL estimator: k1, k2 or k3 (Schulman 2020).
+    kl_type: str = "k3"
+    #: Critic loss weight (gae, bi_level_gae: a value head shares the policy's backbone).
+    value_coef: float = 0.5
+    #: PPO value clipping range (None = off).
+    clip_range_value: float | None = 0.2
     #: Policy loss by registered name.
     policy_loss: str = "clipped"
     clip_ratio_low: float = 0.2
@@ -127,6 +148,14 @@ class TrainerConfig:
     save_final: bool = True
     #: Show a tqdm progress bar with live reward/success.
     progress_bar: bool = True
+    #: Save sampled trajectories (tokens, masks, advantages) every N steps to ``rollouts/`` (0 = never).
+    log_rollouts_freq: int = 10
+    #: Trajectories saved per logged step.
+    log_rollouts_n: int = 8
+    #: Write a checkpoint every N steps (0 = only on Ctrl-C); see ``ragen train --resume``.
+    save_freq: int = 0
+    #: Checkpoints kept on disk (newest first).
+    keep_checkpoints: int = 2
     #: torch threads (0 = torch's default).
     num_threads: int = 0
 
@@ -198,6 +227,41 @@ def validate(config: RunConfig) -> None:
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
     need(config.trainer.val_episodes >= 1, "trainer.val_episodes", "must be >= 1")
+    need(0 < config.algorithm.filter_ratio <= 1, "algorithm.filter_ratio", "must be in (0, 1]")
+    need(config.algorithm.filter_mode in ("top_p", "top_k"), "algorithm.filter_mode", "must be 'top_p' or 'top_k'")
+    need(config.algorithm.kl_type in ("k1", "k2", "k3"), "algorithm.kl_type", "must be k1, k2 or k3")
+    need(
+        config.algorithm.loss_agg_mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+        "algorithm.loss_agg_mode",
+        "must be token-mean, seq-mean-token-mean or seq-mean-token-sum",
+    )
+
+
+#: Keys that may change on ``--resume`` without changing the results of the steps already run.
+RESUME_SAFE_KEYS = {
+    "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
+    "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
+}
+
+
+def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
+    """Dotted keys whose values differ between two configs, ignoring :data:`RESUME_SAFE_KEYS`."""
+
+    def flat(cfg: RunConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+
+        def walk(node: Any, prefix: str) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix[:-1]] = node
+
+        walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
+        return out
+
+    a, b = flat(old), flat(new)
+    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
 
 
 def to_yaml(config: RunConfig) -> str:

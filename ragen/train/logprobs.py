@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy of the policy, computed only where a loss needs them.
+"""Per-token log-probs, entropy and critic values, computed only where a loss needs them.
 
 The LM head runs on the hidden states of response positions only, in chunks, so logits
 are never materialised for the whole ``B × T × V`` block (for SmolLM2 V = 49 152: a 64 ×
@@ -8,14 +8,23 @@ are never materialised for the whole ``B × T × V`` block (for SmolLM2 V = 49 1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class PolicyOutput:
+    logprobs: torch.Tensor  # (B, T) log π(x_{t+1} | x_{≤t}), zero off the response mask
+    entropy: torch.Tensor | None  # (B, T) entropy of π(· | x_{≤t}), zero off the mask
+    values: torch.Tensor | None  # (B, T) critic value of the state x_{≤t}, zero off the mask
 
 
 def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def token_logprobs(
+def policy_forward(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -23,17 +32,16 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    value_head: torch.nn.Module | None = None,
     chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(x_{t+1} | x_{≤t}) at response targets.
+) -> PolicyOutput:
+    """One decoder pass → log-probs (and entropy, values) at response targets.
 
     Args:
         input_ids, attention_mask: ``(B, L)``.
-        response_mask: ``(B, T)`` with ``T = L - 1``; targets where the result is needed.
+        response_mask: ``(B, T)`` with ``T = L - 1``; targets where results are needed.
         temperature: logits are divided by it, matching the sampling distribution.
-
-    Returns:
-        ``logprobs (B, T)`` and, if asked, ``entropy (B, T)``; both zero off the mask.
+        value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
     """
     base = _base_model(model)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
@@ -48,9 +56,33 @@ def token_logprobs(
         logp_parts.append(logp_all.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
         if with_entropy:
             ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
-    logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device)
-    logprobs = logprobs.masked_scatter(where, torch.cat(logp_parts) if logp_parts else logprobs.new_zeros(0))
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logprobs).masked_scatter(where, torch.cat(ent_parts) if ent_parts else logprobs.new_zeros(0))
-    return logprobs, entropy
+
+    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
+
+    return PolicyOutput(
+        logprobs=scatter(logp_parts),
+        entropy=scatter(ent_parts) if with_entropy else None,
+        values=scatter([value_head(h).float()]) if value_head is not None else None,
+    )
+
+
+def token_logprobs(model, input_ids, attention_mask, response_mask, *, temperature=1.0, with_entropy=False, chunk_size=1024):
+    """``(logprobs, entropy)`` at response targets; see :func:`policy_forward`."""
+    out = policy_forward(model, input_ids, attention_mask, response_mask, temperature=temperature,
+                         with_entropy=with_entropy, chunk_size=chunk_size)
+    return out.logprobs, out.entropy
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value of each position's hidden state: ``V(s_t) = w·h_t + b`` (zero-initialised)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N,)
+        return self.linear(hidden.float()).squeeze(-1)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
-from dataclasses import asdict
+import contextlib
+import copy
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -18,24 +21,28 @@ import torch
 
 import ragen.envs
 from ragen.agent import AgentSettings, Rollout, Trajectory
-from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss
+from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
+from ragen.algos.filtering import uncertainty_filter
+from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.metrics import episode_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.train.batch import TrainBatch, collate
-from ragen.train.logprobs import token_logprobs
+from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
+from ragen.train.logprobs import ValueHead, policy_forward
 
-#: Estimators whose extra inputs (values, anchor states) the trainer does not compute yet.
-NEEDS_CRITIC_OR_ANCHORS = ("gae", "bi_level_gae", "gigpo")
+#: Estimators that need a critic: a value head on the policy's backbone is trained with them.
+CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
 
 #: Validation seeds start here; training seeds are drawn below it, so the two never overlap.
 VAL_SEED_BASE = 2**31
 
 
 class StarPOTrainer:
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, resume: bool = False):
         self.config = config
-        self.run_dir = self._make_run_dir()
+        self.run_dir = self._make_run_dir(resume)
+        self.start_step = 0
         if config.trainer.num_threads > 0:
             torch.set_num_threads(config.trainer.num_threads)
         seed_everything(config.seed)
@@ -45,21 +52,21 @@ class StarPOTrainer:
         n_train = config.rollout.env_groups * config.rollout.group_size
         self.train_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(n_train)]
         self.val_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(config.trainer.val_episodes)]
-        if config.algorithm.adv_estimator in NEEDS_CRITIC_OR_ANCHORS:
-            raise ValueError(
-                f"config key 'algorithm.adv_estimator': {config.algorithm.adv_estimator!r} needs a critic or anchor "
-                "states, which the trainer does not provide yet; use one of grpo, dr_grpo, brpo, arpo, rloo, reinforce_pp"
-            )
         self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
         self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
 
         # -- model, optional LoRA, optimizer --------------------------------------------
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
+        alg = config.algorithm
+        uses_kl = alg.use_kl_loss or alg.use_kl_in_reward
+        # Under LoRA the reference policy is the base with adapters disabled; otherwise a frozen copy.
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if uses_kl and config.lora.rank == 0 else None
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.value_head = ValueHead(self.model.config.hidden_size) if alg.adv_estimator in CRITIC_ESTIMATORS else None
+        self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.optimizer = torch.optim.AdamW(
-            params, lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay
+            self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay
         )
         warmup = config.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -83,6 +90,8 @@ class StarPOTrainer:
         )
         self.metrics_path = self.run_dir / "metrics.jsonl"
         (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        if resume:
+            self._resume()
 
     # ================================ the algorithm ===================================
 
@@ -90,14 +99,15 @@ class StarPOTrainer:
         cfg = self.config
         start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir)}
-        if cfg.trainer.val_before_train:
+        interrupt = GracefulInterrupt()
+        if cfg.trainer.val_before_train and self.start_step == 0:
             val = self.validate()
             summary["val_before"] = val
             self.log({"step": 0, **val})
             print(f"[ragen] validation before training: {fmt(val)}", flush=True)
 
-        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar)
-        for step in range(1, cfg.trainer.total_steps + 1):
+        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar, initial=self.start_step)
+        for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             # -- StarPO rollout stage: every group plays from its own seed ---------------
             trajectories = self.rollout(step)
@@ -114,8 +124,20 @@ class StarPOTrainer:
                 summary["val_after"] = val
                 metrics.update(val)
             self.log(metrics)
+            if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
+                self.save_rollouts(step, trajectories)
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested:
+                self.save_checkpoint(step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", success=f"{metrics.get('train/success', float('nan')):.2f}")
+            if interrupt.requested:
+                bar.close()
+                interrupt.restore()
+                print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
+                      f"`ragen train --resume {self.run_dir}`", flush=True)
+                summary["interrupted_at_step"] = step
+                return summary
+        interrupt.restore()
         bar.close()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
             summary["val_after"] = self.validate()
@@ -136,36 +158,59 @@ class StarPOTrainer:
         return self.train_rollout.run(self.train_envs, seeds, group_ids, self.config.env.name)
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Advantages, then ``ppo_epochs`` passes of clipped policy-gradient steps over mini-batches."""
-        cfg, alg = self.config, self.config.algorithm
+        """Filter → score → advantages → ``ppo_epochs`` passes of clipped-PG mini-batch steps."""
+        alg = self.config.algorithm
         usable = [t for t in trajectories if not t.error and t.response_length > 0]
         if not usable:
             return {"actor/skipped_update": 1.0}
-        batch = collate(usable, self.backend.pad_id)
+        usable, metrics = self.uncertainty_filter(usable)
+        batch = collate(usable, self.backend.pad_id, gamma=alg.gamma)
+        mini = alg.mini_batch_size or len(batch)
+        # π_old is needed only when the policy moves between updates on this batch; values,
+        # reference log-probs likewise come from one scoring pass before any update.
+        moves = alg.ppo_epochs > 1 or mini < len(batch)
+        scored = self.score(batch, policy=moves or self.uses_kl, values=self.value_head is not None, ref=self.uses_kl)
+        token_rewards = batch.turn_rewards if alg.use_turn_rewards else batch.token_rewards
+        if alg.use_kl_in_reward:
+            kl = kl_penalty(scored["logprobs"], scored["ref_logprobs"], alg.kl_type) * batch.response_mask
+            token_rewards = token_rewards - alg.kl_coef * kl
+            metrics["actor/kl_in_reward"] = float(masked_mean(kl, batch.response_mask))
         adv = self.adv_estimator(
             AdvantageInputs(
-                token_rewards=batch.token_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
-                gamma=alg.gamma, lam=alg.lam, norm_adv_by_std=alg.norm_adv_by_std,
+                token_rewards=token_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
+                values=scored.get("values"), turn_ends=batch.turn_ends, gamma=alg.gamma, lam=alg.lam,
+                high_level_gamma=alg.high_level_gamma, norm_adv_by_std=alg.norm_adv_by_std,
+                anchor_ids=batch.anchor_ids, step_returns=batch.step_returns, gigpo_step_weight=alg.gigpo_step_weight,
             )
         )
-        mini = alg.mini_batch_size or len(batch)
-        multiple_updates = alg.ppo_epochs > 1 or mini < len(batch)
-        # Ratios need π_old only when the policy moves between updates on this batch.
-        old_logprobs = self.old_logprobs(batch) if multiple_updates else None
+        self.last_advantages = (usable, adv.advantages)
+        targets = UpdateTargets(
+            advantages=adv.advantages, returns=adv.returns, old_logprobs=scored.get("logprobs") if moves else None,
+            old_values=scored.get("values"), ref_logprobs=scored.get("ref_logprobs"),
+        )
         self.model.train()
         history: list[dict[str, float]] = []
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(batch))
             for start in range(0, len(batch), mini):
                 index = order[start : start + mini]
-                history.append(self.optimizer_step(batch.select(index), adv.advantages[index],
-                                                   None if old_logprobs is None else old_logprobs[index]))
-        metrics = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+                history.append(self.optimizer_step(batch.select(index), targets.select(index)))
+        metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics.update(adv.metrics)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def optimizer_step(self, batch: TrainBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+    def uncertainty_filter(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+        """StarPO-S: train only on the groups whose rewards vary most (``algorithm.filter_ratio``)."""
+        alg = self.config.algorithm
+        if alg.filter_ratio >= 1:
+            return trajectories, {}
+        scores = torch.tensor([t.reward for t in trajectories])
+        groups = torch.tensor([t.group_id for t in trajectories])
+        keep, metrics = uncertainty_filter(scores, groups, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)
+        return [t for t, k in zip(trajectories, keep.tolist()) if k], metrics
+
+    def optimizer_step(self, batch: TrainBatch, targets: "UpdateTargets") -> dict[str, float]:
         """One optimizer step on ``batch`` with gradient accumulation over micro-batches.
 
         Each micro-batch's aggregated loss is weighted by its share of the mini-batch's
@@ -176,44 +221,87 @@ class StarPOTrainer:
         total_tokens = batch.response_mask.sum().clamp(min=1)
         sums: dict[str, float] = {}
         for start in range(0, len(batch), alg.micro_batch_size):
-            micro = trim(batch.select(slice(start, start + alg.micro_batch_size)))
+            rows = slice(start, start + alg.micro_batch_size)
+            micro = batch.select(rows).trim()
             T = micro.response_mask.shape[1]
-            adv = advantages[start : start + alg.micro_batch_size, :T]
+            tgt = targets.select(rows, T)
             with autocast(self.config.trainer.precision):
-                logp, entropy = token_logprobs(
+                out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
-                    temperature=self.config.rollout.temperature, with_entropy=True,
+                    temperature=self.config.rollout.temperature, with_entropy=True, value_head=self.value_head,
                 )
-            old = logp.detach() if old_logprobs is None else old_logprobs[start : start + alg.micro_batch_size, :T]
-            pg_loss, pg_metrics = self.policy_loss(
-                logp, old, adv, micro.response_mask, clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
-                clip_ratio_c=alg.clip_ratio_c, loss_agg_mode=alg.loss_agg_mode,
+            old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
+            pg_loss, step_metrics = self.policy_loss(
+                out.logprobs, old, tgt.advantages, micro.response_mask, clip_ratio_low=alg.clip_ratio_low,
+                clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c, loss_agg_mode=alg.loss_agg_mode,
             )
-            ent = entropy_loss(entropy, micro.response_mask, alg.loss_agg_mode)
-            loss = pg_loss - alg.entropy_coeff * ent
+            entropy = entropy_loss(out.entropy, micro.response_mask, alg.loss_agg_mode)
+            loss = pg_loss - alg.entropy_coeff * entropy
+            step_metrics["actor/entropy"] = entropy.item()
+            if alg.use_kl_loss:
+                kl = aggregate_loss(kl_penalty(out.logprobs, tgt.ref_logprobs, alg.kl_type), micro.response_mask, alg.loss_agg_mode)
+                loss = loss + alg.kl_coef * kl
+                step_metrics["actor/kl_loss"] = kl.item()
+            if out.values is not None:
+                v_loss, v_metrics = value_loss(out.values, tgt.old_values, tgt.returns, micro.response_mask,
+                                               alg.clip_range_value, alg.loss_agg_mode)
+                loss = loss + alg.value_coef * v_loss
+                step_metrics.update(v_metrics)
+                step_metrics["critic/explained_variance"] = explained_variance(tgt.returns, out.values.detach(), micro.response_mask)
+            step_metrics["actor/loss"] = loss.item()
             share = (micro.response_mask.sum() / total_tokens) if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
             (loss * share).backward()
-            for k, v in {**pg_metrics, "actor/entropy": ent.item(), "actor/loss": loss.item()}.items():
+            for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * float(share)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return {**sums, "actor/grad_norm": float(grad_norm)}
 
     @torch.no_grad()
-    def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log π_old at every response target, before any update on this batch. ``(B, T)``."""
+    def score(self, batch: TrainBatch, *, policy: bool, values: bool, ref: bool) -> dict[str, torch.Tensor]:
+        """Before any update: log π_old, critic values and log π_ref at every response target. ``(B, T)`` each."""
+        out: dict[str, torch.Tensor] = {}
+        if not (policy or values or ref):
+            return out
         self.model.eval()
-        out = torch.zeros_like(batch.response_mask)
+        wanted = (["logprobs"] if policy else []) + (["values"] if values else [])
+        for name in wanted + (["ref_logprobs"] if ref else []):
+            out[name] = torch.zeros_like(batch.response_mask)
         step = self.config.algorithm.micro_batch_size
+        temperature = self.config.rollout.temperature
         for start in range(0, len(batch), step):
-            micro = trim(batch.select(slice(start, start + step)))
+            micro = batch.select(slice(start, start + step)).trim()
+            T = micro.response_mask.shape[1]
+            args = (micro.input_ids, micro.attention_mask, micro.response_mask)
             with autocast(self.config.trainer.precision):
-                logp, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
-                                         temperature=self.config.rollout.temperature)
-            out[start : start + step, : logp.shape[1]] = logp
+                if wanted:
+                    res = policy_forward(self.model, *args, temperature=temperature, value_head=self.value_head if values else None)
+                    for name in wanted:
+                        out[name][start : start + step, :T] = getattr(res, name)
+                if ref:
+                    with self.reference_policy() as ref_model:
+                        out["ref_logprobs"][start : start + step, :T] = policy_forward(ref_model, *args, temperature=temperature).logprobs
         return out
+
+    @property
+    def uses_kl(self) -> bool:
+        return self.config.algorithm.use_kl_loss or self.config.algorithm.use_kl_in_reward
+
+    @contextlib.contextmanager
+    def reference_policy(self):
+        """The initial policy: the LoRA base with adapters disabled (no extra memory), else a frozen copy."""
+        if self.ref_model is None:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            yield self.ref_model
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
 
     # ================================ plumbing ========================================
 
@@ -223,6 +311,29 @@ class StarPOTrainer:
         trajectories = self.val_rollout.run(self.val_envs, seeds, list(range(n)), self.config.env.name)
         return episode_metrics(trajectories, "val")
 
+    def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
+        """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL)."""
+        rows = {}
+        if self.last_advantages is not None:
+            trained, advantages = self.last_advantages
+            rows = {id(t): advantages[i] for i, t in enumerate(trained)}
+        path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with path.open("w") as f:
+            for traj in trajectories[: self.config.trainer.log_rollouts_n]:
+                adv = rows.get(id(traj))
+                n = len(traj.input_ids)
+                record = {
+                    "step": step,
+                    **traj.to_json(),
+                    "tokens": [self.tokenizer.decode([i]) for i in traj.input_ids],
+                    "loss_mask": traj.loss_mask,
+                    # advantage of token p sits at target p - 1
+                    "advantages": [0.0] + (adv[: n - 1].tolist() if adv is not None else [0.0] * (n - 1)),
+                }
+                f.write(json.dumps(record) + "\n")
+        return path
+
     def log(self, metrics: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -231,27 +342,78 @@ class StarPOTrainer:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
 
-    def _make_run_dir(self) -> Path:
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every trainable tensor by name: the full model, or only LoRA adapters; plus the value head."""
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if self.value_head is not None:
+            named.update({f"value_head.{n}": p for n, p in self.value_head.named_parameters()})
+        return named
+
+    def save_checkpoint(self, step: int) -> Path:
+        return save_checkpoint(self.run_dir, step, self.checkpoint_tensors(), self.optimizer, self.scheduler,
+                               self.seed_rng, extra={}, keep=self.config.trainer.keep_checkpoints)
+
+    def _resume(self) -> None:
+        found = latest_checkpoint(self.run_dir)
+        if found is None:
+            raise FileNotFoundError(f"no valid checkpoint under {self.run_dir / 'checkpoints'} to resume from")
+        path, ckpt = found
+        named = self.checkpoint_tensors()
+        missing = set(named) - set(ckpt["params"])
+        if missing:
+            raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(ckpt["params"][name])
+        restore_optimizer(self.optimizer, named, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
+        self.scheduler.load_state_dict(ckpt["state"]["scheduler"])
+        restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], self.seed_rng)
+        self.start_step = ckpt["state"]["step"]
+        # Steps after the checkpoint were lost with the process: drop their lines, keep the rest.
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.start_step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
+
+    def _make_run_dir(self, resume: bool) -> Path:
         out = self.config.trainer.output_dir
         if not out:
             out = f"runs/{self.config.env.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             self.config.trainer.output_dir = out
         path = Path(out)
+        if resume:
+            return path
         if (path / "metrics.jsonl").exists():
             raise FileExistsError(f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir")
         path.mkdir(parents=True, exist_ok=True)
         return path
 
 
-def trim(batch: TrainBatch) -> TrainBatch:
-    """Drop the padding columns this micro-batch does not need."""
-    L = int(batch.attention_mask.sum(1).max())
-    return TrainBatch(
-        input_ids=batch.input_ids[:, :L], attention_mask=batch.attention_mask[:, :L],
-        response_mask=batch.response_mask[:, : L - 1], token_rewards=batch.token_rewards[:, : L - 1],
-        turn_rewards=batch.turn_rewards[:, : L - 1], turn_ends=batch.turn_ends[:, : L - 1],
-        group_ids=batch.group_ids, scores=batch.scores,
-    )
+@dataclass
+class UpdateTargets:
+    """Per-token targets fixed before the update (all ``(B, T)``; optional ones may be None)."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def select(self, index, width: int | None = None) -> "UpdateTargets":
+        cut = slice(None) if width is None else slice(0, width)
+        return UpdateTargets(**{k: None if v is None else v[index][:, cut] for k, v in self.__dict__.items()})
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[returns − values] / Var[returns] over masked tokens (1 = perfect critic)."""
+    m = mask.bool()
+    if m.sum() < 2:
+        return float("nan")
+    r, v = returns[m].float(), values[m].float()
+    var = r.var()
+    return float("nan") if var == 0 else float(1 - (r - v).var() / var)
 
 
 def seed_everything(seed: int) -> None:
@@ -265,7 +427,29 @@ def fmt(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
 
 
-def progress(total: int, enabled: bool):
+def progress(total: int, enabled: bool, initial: int = 0):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", disable=not enabled, dynamic_ncols=True)
+
+
+class GracefulInterrupt:
+    """First Ctrl-C: finish the current step, checkpoint, exit cleanly. Second Ctrl-C: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\n[ragen] Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -1,0 +1,149 @@
+"""Checkpoints that survive a kill at any instant, and exact resume.
+
+A checkpoint is a directory ``checkpoints/step_NNNNNN/`` holding
+
+* ``model.safetensors`` -- every trainable tensor (full weights, or only the LoRA adapters) plus the
+  value head, never pickle;
+* ``optimizer.safetensors`` + ``state.json`` -- AdamW moments, param-group settings, the LR
+  schedule, the step, and every RNG (python, numpy, torch, the trainer's seed generator);
+* ``COMPLETE`` -- written last.
+
+It is assembled in a temporary sibling directory and renamed into place, so a crash leaves
+either the whole new checkpoint or none of it; :func:`latest_checkpoint` skips any directory
+without ``COMPLETE`` or that fails to load, falling back to the previous one with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def rng_state(seed_rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    np_state = np.random.get_state()
+    json_part = {
+        "python": _to_json(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "seed_rng": seed_rng.bit_generator.state,
+    }
+    return json_part, {"torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor], seed_rng: np.random.Generator) -> None:
+    random.setstate(_from_json(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    seed_rng.bit_generator.state = state["seed_rng"]
+    torch.set_rng_state(tensors["torch"])
+
+
+def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                    scheduler, seed_rng: np.random.Generator, extra: dict[str, Any], keep: int = 2) -> Path:
+    """Write the checkpoint for ``step`` atomically and prune to the newest ``keep``."""
+    final = checkpoint_dir(run_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        save_file({k: v.detach().contiguous().clone() for k, v in named_params.items()}, tmp / "model.safetensors")
+        opt_tensors, opt_json = _optimizer_state(optimizer, named_params)
+        save_file(opt_tensors, tmp / "optimizer.safetensors")
+        rng_json, rng_tensors = rng_state(seed_rng)
+        save_file(rng_tensors, tmp / "rng.safetensors")
+        state = {"step": step, "optimizer": opt_json, "scheduler": scheduler.state_dict(), "rng": rng_json, **extra}
+        (tmp / "state.json").write_text(json.dumps(state))
+        (tmp / COMPLETE).write_text(str(step))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint fully (raises on any missing or corrupt part)."""
+    if not (path / COMPLETE).is_file():
+        raise ValueError(f"{path} is incomplete (no {COMPLETE} marker)")
+    return {
+        "params": load_file(path / "model.safetensors"),
+        "optimizer_tensors": load_file(path / "optimizer.safetensors"),
+        "rng_tensors": load_file(path / "rng.safetensors"),
+        "state": json.loads((path / "state.json").read_text()),
+    }
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads; broken newer ones are skipped with a warning."""
+    candidates = sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path)
+        except Exception as exc:  # corrupt or partial: fall back to the previous one
+            warnings.warn(f"skipping checkpoint {path}: {exc}", stacklevel=2)
+    return None
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor],
+                      tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    names = list(named_params)
+    state_dict = optimizer.state_dict()
+    for group, saved_group in zip(state_dict["param_groups"], saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, name in enumerate(names):
+        keys = [k for k in tensors if k.startswith(f"{name}::")]
+        if keys:
+            state[i] = {k.split("::", 1)[1]: tensors[k] for k in keys}
+    state_dict["state"] = state
+    optimizer.load_state_dict(state_dict)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor]):
+    """AdamW state as flat safetensors keyed ``<param name>::<slot>``, plus JSON-able group settings."""
+    index = {id(p): name for name, p in named_params.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for slot, value in optimizer.state.get(p, {}).items():
+                tensors[f"{index[id(p)]}::{slot}"] = value.detach().contiguous().clone()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return tensors, {"param_groups": groups}
+
+
+def _to_json(obj):
+    return [_to_json(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _from_json(obj):
+    return tuple(_from_json(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,89 @@
+"""Checkpoints: a run killed with SIGKILL and resumed writes the same metrics as an uninterrupted run."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ragen.cli import main
+from ragen.train.checkpoint import latest_checkpoint
+
+ARGS = ["model=tiny", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
+        "trainer.val_episodes=2", "trainer.progress_bar=false", "trainer.save_freq=1", "trainer.val_freq=2",
+        "optim.lr=1e-3", "trainer.num_threads=1"]
+
+
+def _ragen(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ragen", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_sigkill_and_resume_gives_identical_metrics(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert main(["train", "bandit", "trainer.total_steps=4", f"trainer.output_dir={full}", *ARGS]) == 0
+
+    proc = _ragen("train", "bandit", "trainer.total_steps=4", f"trainer.output_dir={killed}", *ARGS)
+    _wait_for(killed / "checkpoints" / "step_000002" / "COMPLETE", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert main(["train", "--resume", str(killed)]) == 0
+
+    assert [m["step"] for m in _metrics(killed)] == [0, 1, 2, 3, 4]
+    assert _metrics(killed) == _metrics(full)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=2", f"trainer.output_dir={run}", *ARGS]) == 0
+    newest = run / "checkpoints" / "step_000002"
+    (newest / "model.safetensors").write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        path, ckpt = latest_checkpoint(run)
+    assert path.name == "step_000001" and ckpt["state"]["step"] == 1
+    # A half-written checkpoint (no COMPLETE marker) is ignored the same way.
+    shutil.rmtree(newest)
+    partial = run / "checkpoints" / "step_000003"
+    partial.mkdir()
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert latest_checkpoint(run)[0].name == "step_000001"
+
+
+def test_resume_refuses_result_changing_config_without_force(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={run}", *ARGS]) == 0
+    assert main(["train", "--resume", str(run), "optim.lr=0.5"]) == 2
+    assert "changes results (optim.lr)" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "trainer.total_steps=2"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    no_periodic_saves = [a for a in ARGS if not a.startswith("trainer.save_freq")] + ["trainer.save_freq=0"]
+    proc = _ragen("train", "bandit", "trainer.total_steps=50", f"trainer.output_dir={run}", *no_periodic_saves)
+    _wait_for(run / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "interrupted: checkpoint of step" in out
+    path, ckpt = latest_checkpoint(run)
+    assert 1 <= ckpt["state"]["step"] < 50
