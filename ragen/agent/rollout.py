@@ -64,7 +64,11 @@ class Rollout:
             active = [ep for ep in episodes if not ep.traj.done]
             if not active:
                 break
-            generations = self.backend.generate([ep.traj.input_ids for ep in active], self.sampling)
+            prompts = [ep.traj.input_ids for ep in active]
+            if getattr(self.backend, "wants_messages", False):  # chat APIs take messages, not token ids
+                generations = self.backend.generate(prompts, self.sampling, messages=[ep.messages for ep in active])
+            else:
+                generations = self.backend.generate(prompts, self.sampling)
             for ep, gen in zip(active, generations):
                 self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=turn == self.settings.max_turn)
         return [ep.traj for ep in episodes]
