@@ -1,0 +1,147 @@
+"""Training curves from one or more run directories: ``ragen plot RUN_DIR [RUN_DIR ...]``.
+
+Reads each ``RUN_DIR/metrics.jsonl`` and draws one PNG with a subplot per metric (success,
+validation success where logged, reward, entropy, grad norm, response length), one line per run,
+labelled by the run directory's name. Uses matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+from ragen.viz.viewer import read_jsonl
+
+__all__ = ["PANELS", "load_curves", "plot_runs"]
+
+# (title, candidate metric keys: the first one a run has is used)
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train success", ("train/success", "train/success_rate", "success")),
+    ("val success", ("val/success", "val/success_rate")),
+    ("train reward (mean)", ("train/reward_mean", "train/reward", "reward_mean")),
+    ("actor entropy", ("actor/entropy",)),
+    ("actor grad norm", ("actor/grad_norm",)),
+    ("response length (tokens)", ("train/response_length", "train/response_length_mean")),
+)
+
+DEFAULT_NAME = "curves.png"
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def load_curves(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, float]]]:
+    """``{metric key: [(step, value), ...]}`` from ``RUN_DIR/metrics.jsonl`` (non-numeric values skipped).
+
+    Rows without a numeric ``step`` use their line position. Raises ``FileNotFoundError`` if the
+    run has no metrics file.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for position, row in enumerate(read_jsonl(path)):
+        step = _number(row.get("step"))
+        x = step if step is not None else float(position)
+        for key, value in row.items():
+            if key == "step":
+                continue
+            y = _number(value)
+            if y is not None:
+                curves.setdefault(key, []).append((x, y))
+    for points in curves.values():
+        points.sort(key=lambda p: p[0])
+    return curves
+
+
+def _labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Directory names; parent/name where two runs share a name."""
+    names = [p.resolve().name or str(p) for p in run_dirs]
+    out = []
+    for path, name in zip(run_dirs, names):
+        if names.count(name) > 1:
+            name = f"{path.resolve().parent.name}/{name}"
+        out.append(name)
+    if len(set(out)) < len(out):  # still ambiguous: number them
+        out = [f"{i}: {label}" for i, label in enumerate(out)]
+    return out
+
+
+def _output_path(run_dirs: Sequence[Path], out: str | os.PathLike | None) -> Path:
+    if out is None:
+        target = run_dirs[0] / DEFAULT_NAME if len(run_dirs) == 1 else Path.cwd() / DEFAULT_NAME
+    else:
+        target = Path(out)
+        if target.suffix.lower() != ".png":
+            target = target / DEFAULT_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def plot_runs(
+    run_dirs: Sequence[str | os.PathLike],
+    out: str | os.PathLike | None = None,
+    *,
+    dpi: int = 110,
+) -> list[Path]:
+    """Plot the runs' curves into one PNG; return ``[path]``.
+
+    ``out`` is a ``.png`` file or a directory (``curves.png`` inside it); by default the run dir for
+    one run, the current directory for several. Panels no run has data for are left out
+    (``val success`` appears only when some run logged it).
+    """
+    if not run_dirs:
+        raise ValueError("plot_runs: give at least one run directory")
+    paths = [Path(p) for p in run_dirs]
+    curves = [load_curves(p) for p in paths]
+    labels = _labels(paths)
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for title, keys in PANELS:
+        series = []
+        for label, run in zip(labels, curves):
+            key = next((k for k in keys if run.get(k)), None)
+            if key is not None:
+                series.append((label, key, run[key]))
+        if series:
+            panels.append((title, series))
+    if not panels:
+        known = sorted({k for run in curves for k in run})
+        raise ValueError(f"plot_runs: none of the plotted metrics found; metrics present: {known}")
+
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    color_of = {label: colors[i % len(colors)] for i, label in enumerate(labels)}
+    for ax, (title, series) in zip(axes.flat, panels):
+        for label, key, points in series:
+            xs, ys = zip(*points)
+            marker = "o" if len(points) <= 30 else None
+            ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=8)
+        if len(series) > 1 or len(labels) > 1:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(" vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs", fontsize=11)
+    fig.tight_layout()
+    target = _output_path(paths, out)
+    fig.savefig(target, dpi=dpi, format="png")
+    plt.close(fig)
+    return [target]

@@ -1,0 +1,540 @@
+"""A static HTML viewer for a training run: ``ragen view RUN_DIR``.
+
+Reads what the trainer writes into a run directory::
+
+    RUN_DIR/metrics.jsonl                 one JSON object per line (``step`` + metric keys)
+    RUN_DIR/config.yaml                   the resolved config
+    RUN_DIR/rollouts/step_000003.jsonl    one JSON object per trajectory
+
+and writes a self-contained site (no server, no external assets, no JavaScript)::
+
+    OUT/index.html                        steps with their metrics
+    OUT/step_000003.html                  the step's trajectories
+    OUT/step_000003/traj_0000.html        one trajectory: frames, think/answer, actions,
+                                          rewards, tokens coloured by advantage
+
+Everything in a rollout (model text, decoded tokens, observations, even env names) is
+untrusted: every string is passed through :func:`html.escape` (``quote=True``) before it is
+written, file names and CSS classes are generated here and never taken from the data, and each
+page carries a Content-Security-Policy that forbids scripts altogether.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+__all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
+
+# Metrics shown on the index page, in this order, when present; other numeric keys follow.
+INDEX_METRICS = (
+    "train/success",
+    "val/success",
+    "train/reward_mean",
+    "actor/entropy",
+    "actor/grad_norm",
+    "train/response_length",
+    "time/step_s",
+)
+MAX_EXTRA_METRICS = 8
+
+# Grid envs: symbol -> (css class, legend label). Class names are fixed here, never from data.
+GRID_ENVS: dict[str, dict[str, tuple[str, str]]] = {
+    "sokoban": {
+        "#": ("sk-wall", "wall"),
+        "_": ("sk-floor", "floor"),
+        "O": ("sk-target", "target"),
+        "X": ("sk-box", "box"),
+        "√": ("sk-boxok", "box on target"),
+        "P": ("sk-player", "player"),
+        "S": ("sk-playerok", "player on target"),
+    },
+    "frozen_lake": {
+        "P": ("fl-player", "player"),
+        "_": ("fl-ice", "frozen ice"),
+        "O": ("fl-hole", "hole"),
+        "G": ("fl-goal", "goal"),
+        "X": ("fl-dead", "player in a hole"),
+        "√": ("fl-won", "player on the goal"),
+    },
+}
+
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.2em auto;max-width:1200px;
+     padding:0 1em;color:#222;background:#fff}
+h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.4em}h3{font-size:1em;margin:.6em 0 .3em}
+a{color:#0645ad}
+nav{margin-bottom:1em;font-size:.9em}nav a{margin-right:1em}
+table.data{border-collapse:collapse;font-size:.85em}
+table.data th,table.data td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+table.data th{background:#f3f3f3;position:sticky;top:0}
+table.data td.l,table.data th.l{text-align:left}
+tr.ok td.succ{color:#1a7f37;font-weight:600}tr.fail td.succ{color:#b42318}
+pre{white-space:pre-wrap;word-break:break-word;background:#f7f7f7;border:1px solid #e3e3e3;
+    padding:.5em;margin:.3em 0;font-size:.85em}
+pre.think{background:#f5f3ff;border-color:#ddd6fe}pre.answer{background:#ecfdf3;border-color:#abefc6}
+.meta{font-size:.9em;color:#444}.meta b{color:#222}
+.turn{border:1px solid #ddd;border-radius:6px;padding:.6em .8em;margin:.8em 0}
+.turn-head{font-weight:600;margin-bottom:.3em}
+.bad{color:#b42318;font-weight:600}.good{color:#1a7f37;font-weight:600}
+.frame{display:flex;gap:1.2em;align-items:flex-start;flex-wrap:wrap}
+table.grid{border-collapse:collapse;margin:.3em 0}
+table.grid td{width:26px;height:26px;padding:0;text-align:center;font:bold 13px monospace;
+              border:1px solid rgba(0,0,0,.15)}
+.legend{font-size:.8em;line-height:1.8}
+.legend span.sw{display:inline-block;width:14px;height:14px;vertical-align:middle;
+                border:1px solid rgba(0,0,0,.25);margin:0 4px 0 10px}
+.sk-wall{background:#4b4b4b;color:#bbb}.sk-floor{background:#ece6d8;color:#b9b1a0}
+.sk-target{background:#ece6d8;color:#d4380d;box-shadow:inset 0 0 0 3px #fa8c16}
+.sk-box{background:#a0632f;color:#fff}.sk-boxok{background:#2f9e44;color:#fff}
+.sk-player{background:#1c7ed6;color:#fff}.sk-playerok{background:#1c7ed6;color:#fff;box-shadow:inset 0 0 0 3px #fa8c16}
+.fl-player{background:#e8590c;color:#fff}.fl-ice{background:#d0ebff;color:#74a9cf}
+.fl-hole{background:#1b1f3b;color:#8f96c9}.fl-goal{background:#fcc419;color:#5c3c00}
+.fl-dead{background:#7a0c0c;color:#fff}.fl-won{background:#2f9e44;color:#fff}
+.unk{background:#fff;color:#c00}
+.tokens{font:12px/1.7 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;
+        word-break:break-all;border:1px solid #e3e3e3;padding:.5em}
+.tokens span{border-radius:2px;box-shadow:inset -1px 0 rgba(0,0,0,.13)}
+.tokens span.m{color:#9a9a9a;background:#f1f1f1}
+.tokens span.z{background:#fff;outline:1px dotted #c8c8c8}
+""" + "".join(
+    # Advantage buckets: p1..p8 green (positive), n1..n8 red (negative), stronger = larger |A|.
+    f".tokens span.p{i},.legend span.p{i}{{background:rgba(34,160,70,{0.12 + 0.11 * (i - 1):.2f})}}"
+    f".tokens span.n{i},.legend span.n{i}{{background:rgba(220,50,47,{0.12 + 0.11 * (i - 1):.2f})}}"
+    for i in range(1, 9)
+) + ".legend span.m{background:#f1f1f1}.legend span.z{background:#fff;outline:1px dotted #c8c8c8}\n"
+
+N_BUCKETS = 8
+
+_THINK_RE = re.compile(r"<\s*think\s*>(.*?)(?:<\s*/\s*think\s*>|(?=<\s*answer\s*>)|\Z)", re.IGNORECASE | re.DOTALL)
+_ANSWER_RE = re.compile(r"<\s*answer\s*>(.*?)(?:<\s*/\s*answer\s*>|\Z)", re.IGNORECASE | re.DOTALL)
+_STEP_FILE_RE = re.compile(r"step_(\d+)\.jsonl$")
+
+
+def e(value: Any) -> str:
+    """HTML-escape anything (attribute-safe)."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """The JSON objects of a JSONL file; blank, malformed and non-object lines are skipped."""
+    try:
+        handle = open(path, encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    with handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                yield obj
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """Merge every metrics line into one dict per step (later lines win per key)."""
+    merged: dict[int, dict] = {}
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        step = _as_int(row.get("step"))
+        if step is None:
+            continue
+        merged.setdefault(step, {}).update(row)
+    return merged
+
+
+def _rollout_files(run_dir: Path) -> dict[int, Path]:
+    files: dict[int, Path] = {}
+    folder = run_dir / "rollouts"
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = _STEP_FILE_RE.search(path.name)
+            if match and path.is_file():
+                files[int(match.group(1))] = path
+    return files
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt(value: Any) -> str:
+    """A metric or reward value as escaped display text."""
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return e(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return e(value)
+        return e(f"{value:.4g}")
+    return e(value)
+
+
+def split_response(response: Any) -> tuple[str | None, str | None]:
+    """``(think, answer)`` parsed tolerantly from a response; ``None`` where a part is missing.
+
+    Case- and whitespace-insensitive tags; an unclosed tag runs to the end (a ``<think>`` left open
+    stops at an ``<answer>``); the first occurrence of each wins.
+    """
+    text = response if isinstance(response, str) else ("" if response is None else str(response))
+    think = _THINK_RE.search(text)
+    answer = _ANSWER_RE.search(text)
+    return (think.group(1).strip() if think else None, answer.group(1).strip() if answer else None)
+
+
+def _grid_kind(env: Any) -> str | None:
+    name = str(env or "").lower().replace("-", "_").replace(" ", "_")
+    if "sokoban" in name:
+        return "sokoban"
+    if "frozen" in name or "lake" in name:
+        return "frozen_lake"
+    return None
+
+
+def parse_grid(text: Any, symbols: Iterable[str]) -> list[str] | None:
+    """The first block of >= 2 equal-length lines made only of ``symbols``; ``None`` if there is none."""
+    if not isinstance(text, str):
+        return None
+    allowed = set(symbols)
+    block: list[str] = []
+    for raw in text.splitlines() + [""]:
+        line = raw.strip()
+        ok = bool(line) and set(line) <= allowed
+        if ok and block and len(line) == len(block[0]):
+            block.append(line)
+            continue
+        if len(block) >= 2 and len(block[0]) >= 2:
+            return block
+        block = [line] if ok else []
+    return None
+
+
+def render_frame(observation: Any, env: Any, legend: bool = True) -> str:
+    """An env observation: a coloured grid (+ legend) for grid envs, else escaped text."""
+    if observation is None:
+        observation = ""
+    text = observation if isinstance(observation, str) else json.dumps(observation, ensure_ascii=False)
+    kind = _grid_kind(env)
+    grid = parse_grid(text, GRID_ENVS[kind]) if kind else None
+    if grid is None:
+        return f"<pre class='obs'>{e(text)}</pre>"
+    palette = GRID_ENVS[kind]
+    rows = []
+    for line in grid:
+        cells = "".join(
+            f"<td class='{palette[ch][0]}' title='{e(palette[ch][1])}'>{e(ch)}</td>" for ch in line
+        )
+        rows.append(f"<tr>{cells}</tr>")
+    table = f"<table class='grid'>{''.join(rows)}</table>"
+    rest = "\n".join(line for line in text.splitlines() if line.strip() not in grid).strip()
+    extra = f"<details><summary>text</summary><pre class='obs'>{e(text)}</pre></details>" if rest else ""
+    side = _grid_legend(kind) if legend else ""
+    return f"<div class='frame'><div>{table}</div><div class='legend'>{side}{extra}</div></div>"
+
+
+def _grid_legend(kind: str) -> str:
+    items = [
+        f"<span class='sw {cls}'></span>{e(sym)} {e(label)}" for sym, (cls, label) in GRID_ENVS[kind].items()
+    ]
+    return "<br>".join(items)
+
+
+def _bucket(adv: float, scale: float) -> int:
+    if scale <= 0:
+        return 0
+    return max(1, min(N_BUCKETS, math.ceil(abs(adv) / scale * N_BUCKETS)))
+
+
+def _adv_scale(trajectories: Iterable[dict]) -> float:
+    """Largest |advantage| on a trained token across the trajectories (the colour scale)."""
+    scale = 0.0
+    for traj in trajectories:
+        mask = traj.get("loss_mask") or []
+        advs = traj.get("advantages") or []
+        if not isinstance(mask, list) or not isinstance(advs, list):
+            continue
+        for m, a in zip(mask, advs):
+            value = _as_float(a)
+            if m and value is not None and math.isfinite(value):
+                scale = max(scale, abs(value))
+    return scale
+
+
+def render_tokens(traj: dict, scale: float) -> str:
+    """Every token as a span: greyed if masked, else coloured by its advantage, with a tooltip."""
+    tokens = traj.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        return "<p class='meta'>No tokens recorded.</p>"
+    mask = traj.get("loss_mask") if isinstance(traj.get("loss_mask"), list) else []
+    advs = traj.get("advantages") if isinstance(traj.get("advantages"), list) else []
+    spans = []
+    for i, token in enumerate(tokens):
+        trained = bool(mask[i]) if i < len(mask) else False
+        adv = _as_float(advs[i]) if i < len(advs) else None
+        if not trained:
+            cls, tip = "m", f"#{i} not trained (prompt/env)"
+        elif adv is None or not math.isfinite(adv):
+            cls, tip = "z", f"#{i} trained, advantage {adv!r}"
+        else:
+            b = _bucket(adv, scale) if adv != 0 else 0
+            cls = "z" if b == 0 else ("p" if adv > 0 else "n") + str(b)
+            tip = f"#{i} advantage {adv:+.4f}"
+        spans.append(f"<span class='{cls}' title='{e(tip)}'>{e(token)}</span>")
+    return f"<div class='tokens'>{''.join(spans)}</div>"
+
+
+def _token_legend(scale: float) -> str:
+    parts = ["<span class='sw m'></span>not trained (prompt, template, env text)",
+             "<span class='sw z'></span>trained, advantage 0"]
+    if scale > 0:
+        lo = [f"<span class='sw n{i}'></span>" for i in range(N_BUCKETS, 0, -1)]
+        hi = [f"<span class='sw p{i}'></span>" for i in range(1, N_BUCKETS + 1)]
+        parts.append(
+            f"advantage {e(f'{-scale:.3g}')} {''.join(lo)} 0 {''.join(hi)} {e(f'+{scale:.3g}')}"
+            " (scale: largest |A| in this step; hover a token for its value)"
+        )
+    return "<div class='legend'>" + " &middot; ".join(parts) + "</div>"
+
+
+# ----------------------------------------------------------------------------- pages
+
+
+def _page(title: str, body: str, nav: str = "") -> str:
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
+        "<meta name='referrer' content='no-referrer'>"
+        "<meta name='viewport' content='width=device-width,initial-scale=1'>"
+        f"<title>{e(title)}</title><style>{CSS}</style></head><body>"
+        f"<nav>{nav}</nav>{body}</body></html>\n"
+    )
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int]) -> str:
+    steps = sorted(set(metrics) | set(rollouts))
+    keys = [k for k in INDEX_METRICS if any(k in m for m in metrics.values())]
+    extra = sorted(
+        {
+            k
+            for m in metrics.values()
+            for k, v in m.items()
+            if k not in keys and k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+    )[:MAX_EXTRA_METRICS]
+    keys += extra
+    head = "<th>step</th>" + "".join(f"<th>{e(k)}</th>" for k in keys) + "<th>trajectories</th>"
+    rows = []
+    for step in steps:
+        m = metrics.get(step, {})
+        cells = "".join(f"<td>{fmt(m.get(k))}</td>" for k in keys)
+        if step in rollouts:
+            link = f"<a href='{_step_name(step)}.html'>{rollouts[step]} trajectories</a>"
+        else:
+            link = "<span class='meta'>none saved</span>"
+        rows.append(f"<tr><td>{step}</td>{cells}<td class='l'>{link}</td></tr>")
+    table = f"<table class='data'><tr>{head}</tr>{''.join(rows)}</table>" if rows else "<p>No steps logged yet.</p>"
+    config = ""
+    config_path = run_dir / "config.yaml"
+    if config_path.is_file():
+        text = config_path.read_text(encoding="utf-8", errors="replace")
+        config = f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{e(text)}</pre></details>"
+    body = f"<h1>Run {e(run_dir.resolve().name)}</h1><p class='meta'>{e(run_dir.resolve())}</p>{table}{config}"
+    return _page(f"ragen run {run_dir.resolve().name}", body)
+
+
+def _traj_name(index: int) -> str:
+    return f"traj_{index:04d}.html"
+
+
+def _succ(value: Any) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return fmt(value)
+
+
+def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict], prev_step, next_step) -> str:
+    nav = ["<a href='index.html'>&larr; all steps</a>"]
+    if prev_step is not None:
+        nav.append(f"<a href='{_step_name(prev_step)}.html'>&lsaquo; step {prev_step}</a>")
+    if next_step is not None:
+        nav.append(f"<a href='{_step_name(next_step)}.html'>step {next_step} &rsaquo;</a>")
+    summary = " &middot; ".join(
+        f"<b>{e(k)}</b> {fmt(v)}" for k, v in metrics.items() if k != "step" and not isinstance(v, (dict, list))
+    )
+    rows = []
+    for i, traj in enumerate(trajectories):
+        turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
+        success = traj.get("success")
+        cls = "ok" if success is True else ("fail" if success is False else "")
+        rows.append(
+            f"<tr class='{cls}'><td><a href='{_step_name(step)}/{_traj_name(i)}'>#{i}</a></td>"
+            f"<td class='l'>{e(traj.get('env', ''))}</td><td>{fmt(traj.get('group_id'))}</td>"
+            f"<td>{fmt(traj.get('seed'))}</td><td>{fmt(traj.get('reward'))}</td>"
+            f"<td class='succ'>{_succ(success)}</td><td>{len(turns)}</td>"
+            f"<td class='l'>{e(traj.get('error') or '')}</td></tr>"
+        )
+    table = (
+        "<table class='data'><tr><th>#</th><th class='l'>env</th><th>group</th><th>seed</th><th>reward</th>"
+        "<th>success</th><th>turns</th><th class='l'>error</th></tr>" + "".join(rows) + "</table>"
+    )
+    body = f"<h1>{e(run_name)} &mdash; step {step}</h1><p class='meta'>{summary}</p>{table}"
+    return _page(f"{run_name} step {step}", body, " ".join(nav))
+
+
+def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, scale: float) -> str:
+    env = traj.get("env", "")
+    nav = [
+        "<a href='../index.html'>&larr; all steps</a>",
+        f"<a href='../{_step_name(step)}.html'>&uarr; step {step}</a>",
+    ]
+    if index > 0:
+        nav.append(f"<a href='{_traj_name(index - 1)}'>&lsaquo; #{index - 1}</a>")
+    if index + 1 < count:
+        nav.append(f"<a href='{_traj_name(index + 1)}'>#{index + 1} &rsaquo;</a>")
+    success = traj.get("success")
+    meta = (
+        f"<b>env</b> {e(env)} &middot; <b>group</b> {fmt(traj.get('group_id'))} &middot; "
+        f"<b>seed</b> {fmt(traj.get('seed'))} &middot; <b>reward</b> {fmt(traj.get('reward'))} &middot; "
+        f"<b>success</b> <span class='{'good' if success is True else 'bad'}'>{_succ(success)}</span>"
+    )
+    if traj.get("error"):
+        meta += f" &middot; <b>error</b> <span class='bad'>{e(traj.get('error'))}</span>"
+    parts = [f"<h1>{e(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
+    parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env))
+    turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            turn = {"response": turn}
+        parts.append(_turn_html(t, turn, env))
+    if not turns:
+        parts.append("<p class='meta'>No turns recorded.</p>")
+    parts.append("<h2>Tokens</h2>" + _token_legend(scale) + render_tokens(traj, scale))
+    return _page(f"{run_name} step {step} #{index}", "".join(parts), " ".join(nav))
+
+
+def _turn_html(t: int, turn: dict, env: Any) -> str:
+    response = turn.get("response", "")
+    think, answer = split_response(response)
+    actions = turn.get("actions")
+    if isinstance(actions, list):
+        actions_html = ", ".join(f"<code>{e(a)}</code>" for a in actions) or "<span class='bad'>none</span>"
+    else:
+        actions_html = f"<code>{e(actions)}</code>" if actions else "<span class='bad'>none</span>"
+    valid = turn.get("format_valid")
+    valid_html = "<span class='good'>valid</span>" if valid is True else (
+        "<span class='bad'>invalid</span>" if valid is False else fmt(valid)
+    )
+    head = (
+        f"<div class='turn-head'>Turn {t + 1}</div><p class='meta'><b>actions</b> {actions_html} &middot; "
+        f"<b>format</b> {valid_html} &middot; <b>env reward</b> {fmt(turn.get('env_reward'))} &middot; "
+        f"<b>format penalty</b> {fmt(turn.get('format_penalty'))}</p>"
+    )
+    body = []
+    if think is not None:
+        body.append(f"<h3>think</h3><pre class='think'>{e(think)}</pre>")
+    if answer is not None:
+        body.append(f"<h3>answer</h3><pre class='answer'>{e(answer)}</pre>")
+    raw = response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)
+    if think is None and answer is None:
+        body.append(f"<h3>response (no think/answer tags)</h3><pre>{e(raw)}</pre>")
+    else:
+        body.append(f"<details><summary>raw response</summary><pre>{e(raw)}</pre></details>")
+    if "observation" in turn:
+        body.append("<h3>observation after this turn</h3>" + render_frame(turn.get("observation", ""), env, legend=False))
+    return f"<div class='turn'>{head}{''.join(body)}</div>"
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """Write the viewer for ``run_dir`` into ``out_dir`` (default ``RUN_DIR/viewer``); return index.html.
+
+    Raises ``FileNotFoundError`` if ``run_dir`` is not a directory.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run}")
+    out = Path(out_dir) if out_dir is not None else run / "viewer"
+    out.mkdir(parents=True, exist_ok=True)
+    run_name = run.resolve().name
+    metrics = _metrics_by_step(run)
+    files = _rollout_files(run)
+    steps = sorted(files)
+    counts: dict[int, int] = {}
+    for pos, step in enumerate(steps):
+        trajectories = list(read_jsonl(files[step]))
+        counts[step] = len(trajectories)
+        scale = _adv_scale(trajectories)
+        prev_step = steps[pos - 1] if pos > 0 else None
+        next_step = steps[pos + 1] if pos + 1 < len(steps) else None
+        page = _step_page(run_name, step, metrics.get(step, {}), trajectories, prev_step, next_step)
+        (out / f"{_step_name(step)}.html").write_text(page, encoding="utf-8")
+        folder = out / _step_name(step)
+        folder.mkdir(exist_ok=True)
+        for i, traj in enumerate(trajectories):
+            html_text = _traj_page(run_name, step, i, len(trajectories), traj, scale)
+            (folder / _traj_name(i)).write_text(html_text, encoding="utf-8")
+    index = out / "index.html"
+    index.write_text(_index_page(run, metrics, counts), encoding="utf-8")
+    return index
+
+
+def serve(directory: str | os.PathLike, port: int = 8000) -> None:  # pragma: no cover - interactive
+    """Serve ``directory`` on http://127.0.0.1:PORT until interrupted."""
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", port), handler) as server:
+        print(f"serving {directory} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
