@@ -107,6 +107,7 @@ def plot_runs(
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = []
     for title, keys in PANELS:
@@ -133,6 +134,7 @@ def plot_runs(
             ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=8)
         if len(series) > 1 or len(labels) > 1:

@@ -366,7 +366,7 @@ def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int
         }
     )[:MAX_EXTRA_METRICS]
     keys += extra
-    head = "<th>step</th>" + "".join(f"<th>{e(k)}</th>" for k in keys) + "<th>trajectories</th>"
+    head = "<th>step</th><th class='l'>trajectories</th>" + "".join(f"<th>{e(k)}</th>" for k in keys)
     rows = []
     for step in steps:
         m = metrics.get(step, {})
@@ -375,7 +375,7 @@ def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int
             link = f"<a href='{_step_name(step)}.html'>{rollouts[step]} trajectories</a>"
         else:
             link = "<span class='meta'>none saved</span>"
-        rows.append(f"<tr><td>{step}</td>{cells}<td class='l'>{link}</td></tr>")
+        rows.append(f"<tr><td>{step}</td><td class='l'>{link}</td>{cells}</tr>")
     table = f"<table class='data'><tr>{head}</tr>{''.join(rows)}</table>" if rows else "<p>No steps logged yet.</p>"
     config = ""
     config_path = run_dir / "config.yaml"
