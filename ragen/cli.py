@@ -73,8 +73,16 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def cmd_play(args: argparse.Namespace) -> int:
     from ragen.envs.play import main_play
 
+    # Options may follow the env's key=value overrides: ``ragen play sokoban num_boxes=2 --seed 3``.
+    extra = argparse.ArgumentParser(prog="ragen play", add_help=False)
+    extra.add_argument("--seed", type=int, default=None)
+    known, overrides = extra.parse_known_args(args.overrides)
+    unknown = [item for item in overrides if item.startswith("-")]
+    if unknown:
+        return _fail(f"play: unrecognized option {unknown[0]!r}")
+    seed = known.seed if known.seed is not None else args.seed
     try:
-        main_play(args.env, args.overrides, args.seed)
+        main_play(args.env, overrides, seed)
     except ValueError as exc:
         return _fail(str(exc))
     return 0
@@ -127,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     envs.set_defaults(func=cmd_envs)
     play = sub.add_parser("play", help="play an env in the terminal, seeing exactly the text the model sees")
     play.add_argument("env", help="registered env name (see `ragen envs`)")
-    play.add_argument("overrides", nargs="*", help="env config key=value (YAML values), or agent.KEY=value")
+    play.add_argument("overrides", nargs=argparse.REMAINDER, help="env config key=value (YAML values), or agent.KEY=value")
     play.add_argument("--seed", type=int, default=None, help="seed of the episode (default: random)")
     play.set_defaults(func=cmd_play)
     view = sub.add_parser("view", help="write a static HTML viewer of a run's steps and trajectories")

@@ -29,6 +29,8 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAG = re.compile(r"<think>.*?</think>|</?answer>", re.DOTALL)
 QUIT_WORDS = ("quit", "exit", ":q")
 RULE = "--- user (what the model sees) ---"
+#: Turn limit when neither a preset nor ``agent.max_turn`` sets one (training's default is 1 turn).
+DEFAULT_MAX_TURN = 1000
 
 
 def parse_value(text: str) -> Any:
@@ -92,10 +94,13 @@ def play(
     """Play one episode of ``env_name`` interactively; return ``success``, ``reward``, ``turns``, ``quit``.
 
     ``input_fn(prompt)`` returns one answer line (``EOFError`` or ``quit`` ends the game);
-    ``print_fn`` shows text. ``agent`` holds :class:`AgentSettings` overrides. Raises
+    ``print_fn`` shows text. ``agent`` holds :class:`AgentSettings` overrides (without
+    ``max_turn``, the game runs until the env ends it, at most ``DEFAULT_MAX_TURN`` turns). Raises
     ``ValueError`` for an unknown env or a bad config (before anything is printed).
     """
-    settings = AgentSettings(**(agent or {}))
+    agent = dict(agent or {})
+    agent.setdefault("max_turn", DEFAULT_MAX_TURN)  # a person plays until the env ends the episode
+    settings = AgentSettings(**agent)
     if settings.max_turn < 1 or settings.max_actions_per_turn < 1:
         raise ValueError("agent.max_turn and agent.max_actions_per_turn must be >= 1")
     env = ragen.envs.make(env_name, **(cfg or {}))

@@ -1,0 +1,260 @@
+"""Baseline agents: a seeded random agent (lower bound) and a solver-backed expert (upper bound).
+
+Agents answer in *text*, exactly what a model would write inside ``<answer>…</answer>``:
+``agent.act(env)`` returns a list of action strings, and :func:`run_episode` sends each
+through ``env.parse_action`` before stepping, like the rollout does. So the expert's
+episodes can double as SFT data, and a baseline that scores here scores the same way in
+``ragen eval``.
+
+>>> from ragen.envs.agents import ExpertAgent, evaluate_agent
+>>> evaluate_agent("sokoban", {}, ExpertAgent(), seeds=range(5))["success"]
+1.0
+
+The expert per env:
+
+* ``sokoban`` -- :func:`ragen.envs.sokoban.solve` (breadth-first search: a shortest plan,
+  re-planned from the current position each turn);
+* ``frozen_lake`` -- :func:`ragen.envs.frozen_lake.solve` (value iteration: the policy
+  that maximises the probability of reaching the goal; one action per turn when the ice
+  is slippery, since the next state is random);
+* ``countdown`` -- :func:`ragen.envs.countdown.solve` (brute force over expressions);
+* ``sudoku`` -- :func:`ragen.envs.sudoku.solve` (backtracking) on the current grid;
+* ``bandit`` -- the arm with the higher expected payoff (``env.high_action``);
+* ``math_qa`` -- the stored gold answer;
+* any other env -- its ``expert_actions()`` method if it has one (see
+  ``examples/custom_env.py``), else ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+import ragen.envs
+
+
+class Agent:
+    """Base class: ``act(env)`` returns the action strings of one turn."""
+
+    name = "agent"
+
+    def begin_episode(self, env: Any, seed: int | None) -> None:
+        """Called after ``env.reset(seed=seed)``, before the first ``act``."""
+
+    def act(self, env: Any) -> list[str]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class RandomAgent(Agent):
+    """Picks uniformly among ``env.action_lookup``'s ids and answers with the action's name.
+
+    Each episode draws from a generator seeded by ``(seed, episode seed)``, so an
+    episode's actions depend only on the two seeds, not on the episodes played before.
+    Free-text envs (Countdown, MathQA) only list ``"submit"``, which grades as a
+    malformed answer: the random agent is the zero-knowledge floor there.
+    """
+
+    name = "random"
+
+    def __init__(self, seed: int = 0, max_actions_per_turn: int = 1):
+        self.seed = int(seed)
+        self.max_actions_per_turn = max(1, int(max_actions_per_turn))
+        self.rng = np.random.default_rng(self.seed)
+
+    def begin_episode(self, env: Any, seed: int | None) -> None:
+        entropy = [self.seed] if seed is None else [self.seed, int(seed) & 0xFFFFFFFF]
+        self.rng = np.random.default_rng(entropy)
+
+    def act(self, env: Any) -> list[str]:
+        lookup = env.unwrapped.action_lookup
+        ids = sorted(lookup)
+        picks = self.rng.integers(len(ids), size=self.max_actions_per_turn)
+        return [lookup[ids[int(i)]] for i in picks]
+
+
+class ExpertAgent(Agent):
+    """Answers with each env's solver (see the module docstring); optimal where the solver is.
+
+    ``max_actions_per_turn`` caps the actions of one answer (the plan is re-derived from
+    the current state every turn, so a cap never loses optimality in deterministic envs).
+    """
+
+    name = "expert"
+
+    def __init__(self, max_actions_per_turn: int | None = None):
+        self.max_actions_per_turn = max_actions_per_turn
+        self._lake_policy: tuple[Any, dict[int, int]] | None = None
+
+    def begin_episode(self, env: Any, seed: int | None) -> None:
+        self._lake_policy = None
+
+    def act(self, env: Any) -> list[str]:
+        actions = self.plan(env)
+        if self.max_actions_per_turn is not None:
+            actions = actions[: max(1, self.max_actions_per_turn)]
+        return actions
+
+    def plan(self, env: Any) -> list[str]:
+        """Every action the expert would take from the current state (as far as it can tell)."""
+        from ragen.envs.bandit import BanditEnv
+        from ragen.envs.countdown import CountdownEnv
+        from ragen.envs.frozen_lake import FrozenLakeEnv
+        from ragen.envs.math_qa import MathQAEnv
+        from ragen.envs.sokoban import SokobanEnv
+        from ragen.envs.sudoku import SudokuEnv
+
+        env = env.unwrapped
+        custom = getattr(env, "expert_actions", None)
+        if callable(custom):
+            return list(custom())
+        if isinstance(env, SokobanEnv):
+            return self._sokoban(env)
+        if isinstance(env, FrozenLakeEnv):
+            return self._frozen_lake(env)
+        if isinstance(env, CountdownEnv):
+            from ragen.envs.countdown import solve
+
+            expr = solve(env.numbers, env.target)
+            return [expr if expr is not None else str(env.numbers[0])]
+        if isinstance(env, SudokuEnv):
+            return self._sudoku(env)
+        if isinstance(env, BanditEnv):
+            return [env.action_lookup[env.high_action]]
+        if isinstance(env, MathQAEnv):
+            return [env.gold_answer]
+        raise ValueError(
+            f"no expert for {type(env).__name__}: give the env an expert_actions() method returning answer strings"
+        )
+
+    @staticmethod
+    def _sokoban(env: Any) -> list[str]:
+        from ragen.envs.sokoban import solve
+
+        plan = solve(env)
+        if not plan:  # unsolvable from here (a box got stuck) or already solved: any move
+            plan = [1]
+        return [env.action_lookup[a] for a in plan]
+
+    def _frozen_lake(self, env: Any) -> list[str]:
+        from ragen.envs.frozen_lake import solve
+
+        key = tuple(env.desc)
+        if self._lake_policy is None or self._lake_policy[0] != key:
+            self._lake_policy = (key, solve(env))
+        policy = self._lake_policy[1]
+        state = env.state
+        if state not in policy:
+            return [env.action_lookup[1]]
+        if env.config.is_slippery and env.config.success_rate < 1.0:
+            return [env.action_lookup[policy[state]]]
+        # Deterministic ice: follow the policy through gymnasium's transition table.
+        lake, actions, seen = env.lake, [], set()
+        while state in policy and state not in seen and len(actions) < env.config.max_steps:
+            seen.add(state)
+            action = policy[state]
+            actions.append(env.action_lookup[action])
+            _, state, _, _ = max(lake.P[state][action - 1], key=lambda t: t[0])
+        return actions
+
+    @staticmethod
+    def _sudoku(env: Any) -> list[str]:
+        from ragen.envs.sudoku import solve
+
+        grid = env.grid.tolist()
+        solved = solve(grid)
+        if solved is None:  # earlier (wrong) entries block the solution: aim at the stored one
+            solved = env.solution.tolist()
+        n = len(grid)
+        return [
+            f"r{r + 1}c{c + 1}={solved[r][c]}"
+            for r in range(n)
+            for c in range(n)
+            if grid[r][c] != solved[r][c] and not env.givens[r, c]
+        ]
+
+
+AGENTS = {"random": RandomAgent, "expert": ExpertAgent}
+
+
+def make_agent(name: str, **kwargs: Any) -> Agent:
+    """``"random"`` or ``"expert"`` by name; ``ValueError`` for anything else."""
+    if name not in AGENTS:
+        raise ValueError(f"unknown agent {name!r}; known agents: {', '.join(AGENTS)}")
+    return AGENTS[name](**kwargs)
+
+
+def run_episode(
+    env: Any,
+    agent: Agent,
+    seed: int | None = None,
+    max_turns: int = 100,
+    record: bool = False,
+) -> dict[str, Any]:
+    """Play one episode; return ``success``, ``reward`` (env rewards summed), ``steps``, ``turns``.
+
+    Each turn the agent's strings are parsed with ``env.parse_action``, all before any
+    step (as the rollout does, which matters for envs that store a pending answer). If any
+    string names no action, the turn is invalid and nothing is stepped
+    (``invalid_turns`` counts them). With ``record``, ``transcript`` lists every turn as
+    ``{"observation", "actions", "reward"}`` (the observation the agent answered).
+    """
+    raw = env.unwrapped
+    observation, _ = env.reset(seed=seed)
+    agent.begin_episode(env, seed)
+    reward, steps, turns, invalid, success, done = 0.0, 0, 0, 0, False, False
+    transcript: list[dict[str, Any]] = []
+    while not done and turns < max_turns:
+        turns += 1
+        actions = list(agent.act(env))
+        ids = [raw.parse_action(a) for a in actions]
+        turn_reward = 0.0
+        seen = observation
+        if not actions or None in ids:
+            invalid += 1
+        else:
+            for action_id in ids:
+                observation, r, terminated, truncated, info = env.step(action_id)
+                steps += 1
+                turn_reward += float(r)
+                success = bool(info.get("success", False))
+                if terminated or truncated:
+                    done = True
+                    break
+        reward += turn_reward
+        if record:
+            transcript.append({"observation": seen, "actions": actions, "reward": turn_reward})
+    result = {"success": success, "reward": reward, "steps": steps, "turns": turns, "invalid_turns": invalid}
+    if record:
+        result["transcript"] = transcript
+    return result
+
+
+def evaluate_agent(
+    env_name: str,
+    env_cfg: dict[str, Any] | None,
+    agent: Agent,
+    seeds: Iterable[int],
+    max_turns: int = 100,
+) -> dict[str, Any]:
+    """Run ``agent`` on env ``env_name`` once per seed; return rates and means over episodes.
+
+    Keys: ``success`` (success rate), ``reward_mean``, ``reward_std``, ``steps_mean``,
+    ``invalid_turns_mean``, ``episodes``.
+    """
+    env = ragen.envs.make(env_name, **(env_cfg or {}))
+    results = [run_episode(env, agent, seed=int(s), max_turns=max_turns) for s in seeds]
+    if not results:
+        raise ValueError("evaluate_agent: seeds is empty")
+    rewards = np.array([r["reward"] for r in results], dtype=float)
+    return {
+        "success": float(np.mean([r["success"] for r in results])),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "steps_mean": float(np.mean([r["steps"] for r in results])),
+        "invalid_turns_mean": float(np.mean([r["invalid_turns"] for r in results])),
+        "episodes": len(results),
+    }
+
+
+__all__ = ["Agent", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]

@@ -1,0 +1,112 @@
+"""Baseline agents: the expert is optimal where its solver is, the random agent is far below it."""
+
+import pytest
+
+import ragen.envs
+from ragen.envs.agents import ExpertAgent, RandomAgent, evaluate_agent, make_agent, run_episode
+from ragen.envs.frozen_lake import success_probability
+from ragen.envs.sokoban import solve as solve_sokoban
+
+SEEDS = range(50)
+DETERMINISTIC_LAKE = {"is_slippery": False}
+
+
+def test_expert_solves_every_sokoban_6x6_room_optimally():
+    env = ragen.envs.make("sokoban", dim_room=(6, 6), num_boxes=1)
+    for seed in SEEDS:
+        env.reset(seed=seed)
+        shortest = len(solve_sokoban(env))
+        result = run_episode(env, ExpertAgent(), seed=seed)
+        assert result["success"], seed
+        assert result["steps"] == shortest  # optimal: as few moves as the BFS plan
+        assert result["invalid_turns"] == 0
+
+
+def test_expert_vs_random_on_sokoban_and_deterministic_lake():
+    # Sokoban with the preset's budget of 10 actions (6x6 one-box rooms are short: a random
+    # walk of 100 steps solves about half of them); FrozenLake with its own 100 steps.
+    for name, cfg, turns in [("sokoban", {}, 10), ("frozen_lake", DETERMINISTIC_LAKE, 100)]:
+        expert = evaluate_agent(name, cfg, ExpertAgent(), SEEDS, max_turns=turns)
+        random = evaluate_agent(name, cfg, RandomAgent(seed=0), SEEDS, max_turns=turns)
+        assert expert["success"] == 1.0, name
+        assert random["success"] <= 0.4, (name, random)
+        assert expert["reward_mean"] > random["reward_mean"]
+        assert expert["episodes"] == random["episodes"] == 50
+
+
+def test_expert_on_slippery_lake_matches_the_solvers_success_probability():
+    env = ragen.envs.make("frozen_lake")
+    expected, wins = 0.0, 0
+    n = 200
+    for seed in range(n):
+        env.reset(seed=seed)
+        expected += success_probability(env, horizon=env.config.max_steps)
+        wins += run_episode(env, ExpertAgent(), seed=seed)["success"]
+    assert abs(wins / n - expected / n) < 0.1
+
+
+@pytest.mark.parametrize(
+    "name, cfg",
+    [
+        ("bandit", {}),
+        ("countdown", {}),
+        ("sudoku", {}),
+        ("math_qa", {}),
+        ("sokoban", {"num_boxes": 2, "dim_room": (7, 7)}),
+    ],
+)
+def test_expert_succeeds_on_other_envs(name, cfg):
+    assert evaluate_agent(name, cfg, ExpertAgent(), range(10))["success"] == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(["sokoban", "frozen_lake", "countdown", "sudoku", "bandit", "math_qa"]))
+def test_expert_answers_parse_back_through_parse_action(name):
+    env = ragen.envs.make(name)
+    for seed in range(5):
+        env.reset(seed=seed)
+        answers = ExpertAgent().act(env)
+        assert answers and all(isinstance(a, str) and "||" not in a for a in answers)
+        assert all(env.parse_action(a) is not None for a in answers), answers
+        # and as a model would write them: one <answer> block with actions joined by ||
+        from ragen.agent.parser import parse_response
+
+        parsed = parse_response(f"<answer>{' || '.join(answers)}</answer>", enable_think=False, max_actions=len(answers))
+        assert parsed.format_valid and parsed.actions == [a.strip() for a in answers]
+
+
+def test_max_actions_per_turn_caps_answers_and_keeps_optimality():
+    env = ragen.envs.make("sokoban")
+    env.reset(seed=3)
+    shortest = len(solve_sokoban(env))
+    result = run_episode(env, ExpertAgent(max_actions_per_turn=2), seed=3)
+    assert result["success"] and result["steps"] == shortest and result["turns"] == -(-shortest // 2)
+
+
+def test_random_agent_is_seeded_per_episode():
+    env = ragen.envs.make("sokoban")
+    a = run_episode(env, RandomAgent(seed=7), seed=1, max_turns=20, record=True)
+    b = run_episode(env, RandomAgent(seed=7), seed=1, max_turns=20, record=True)
+    c = run_episode(env, RandomAgent(seed=8), seed=1, max_turns=20, record=True)
+    actions = lambda r: [t["actions"] for t in r["transcript"]]  # noqa: E731
+    assert actions(a) == actions(b) != actions(c)
+    # uniform over the env's own names
+    assert {x for t in actions(a) for x in t} <= set(env.action_lookup.values())
+
+
+def test_record_transcript_and_make_agent():
+    env = ragen.envs.make("bandit")
+    result = run_episode(env, make_agent("expert"), seed=0, record=True)
+    assert result["turns"] == 1 and result["transcript"][0]["actions"] == [result["transcript"][0]["actions"][0]]
+    assert "Which arm" in result["transcript"][0]["observation"]
+    with pytest.raises(ValueError, match="unknown agent"):
+        make_agent("oracle")
+
+
+def test_expert_without_solver_raises_naming_the_hook():
+    from ragen.envs.base import TextEnv
+
+    class NoSolver(TextEnv):
+        action_lookup = {1: "go"}
+
+    with pytest.raises(ValueError, match="expert_actions"):
+        ExpertAgent().act(NoSolver())
