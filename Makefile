@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragen-installed
 
-.PHONY: setup train test test-slow clean
+.PHONY: setup train test test-slow clean browser
 
 setup: $(STAMP)
 
@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml
 train: setup
 	$(BIN)/ragen train bandit
 
-test: setup
+# The viewer's security test drives a real headless browser (Debian's chromium). Installed when
+# possible (root + apt-get); without it that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "note: chromium not installed; the browser test will skip"; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 test-slow: setup

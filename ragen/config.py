@@ -156,6 +156,10 @@ class TrainerConfig:
     save_freq: int = 0
     #: Checkpoints kept on disk (newest first).
     keep_checkpoints: int = 2
+    #: Stop (after saving a checkpoint) once a collapse is confirmed: entropy and in-group reward std both ~0.
+    stop_on_collapse: bool = False
+    #: Draw ``curves.png`` (success, reward, entropy, grad norm, length) at the end.
+    plot: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
 

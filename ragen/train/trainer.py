@@ -25,6 +25,7 @@ from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_e
 from ragen.algos.filtering import uncertainty_filter
 from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
+from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import episode_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.train.batch import TrainBatch, collate
@@ -65,6 +66,7 @@ class StarPOTrainer:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
         self.value_head = ValueHead(self.model.config.hidden_size) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
+        self.collapse_monitor = CollapseMonitor()
         self.optimizer = torch.optim.AdamW(
             self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay
         )
@@ -116,6 +118,7 @@ class StarPOTrainer:
             metrics = self.update(trajectories)
             t2 = time.perf_counter()
             metrics.update(episode_metrics(trajectories, "train"))
+            metrics.update(collapse_signals(trajectories))
             metrics.update({"step": step, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0})
             if cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0 and step != cfg.trainer.total_steps:
                 metrics.update(self.validate())
@@ -124,9 +127,12 @@ class StarPOTrainer:
                 summary["val_after"] = val
                 metrics.update(val)
             self.log(metrics)
+            for warning in self.collapse_monitor.check(metrics):
+                bar.write(f"[ragen] collapse warning at step {step}: {warning}")
+            stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
             if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
                 self.save_rollouts(step, trajectories)
-            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested:
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested or stop:
                 self.save_checkpoint(step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", success=f"{metrics.get('train/success', float('nan')):.2f}")
@@ -137,12 +143,18 @@ class StarPOTrainer:
                       f"`ragen train --resume {self.run_dir}`", flush=True)
                 summary["interrupted_at_step"] = step
                 return summary
+            if stop:
+                bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
+                summary["stopped_on_collapse_at_step"] = step
+                break
         interrupt.restore()
         bar.close()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
             summary["val_after"] = self.validate()
         if cfg.trainer.save_final:
             self.save(self.run_dir / "final")
+        if cfg.trainer.plot:
+            summary["plot"] = self.plot()
         summary["wall_time_s"] = time.perf_counter() - start
         if "val_after" in summary:
             print(f"[ragen] validation after training: {fmt(summary['val_after'])}", flush=True)
@@ -310,6 +322,15 @@ class StarPOTrainer:
         seeds = [VAL_SEED_BASE + i for i in range(n)]
         trajectories = self.val_rollout.run(self.val_envs, seeds, list(range(n)), self.config.env.name)
         return episode_metrics(trajectories, "val")
+
+    def plot(self) -> str:
+        """Draw the run's curves to ``curves.png`` (skipped with a note if matplotlib is missing)."""
+        try:
+            from ragen.viz.plots import plot_runs
+
+            return str(plot_runs([self.run_dir])[0])
+        except ImportError as exc:
+            return f"not drawn: {exc}"
 
     def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
         """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL)."""

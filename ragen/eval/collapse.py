@@ -1,0 +1,117 @@
+"""Collapse ("echo trap") signals, computed from each step's trajectories and update metrics.
+
+RAGEN (Wang et al. 2025, §4) finds that multi-turn RL collapses into repetitive, prompt-agnostic
+answers, and that the collapse is announced: the in-group reward std and the policy entropy
+fall before success does, and gradient-norm spikes mark the point of no return. RAGEN-2 adds
+*template collapse*: the reasoning stops depending on the input. Every signal below is logged
+under ``collapse/`` each step; :class:`CollapseMonitor` turns them into console warnings (and an
+optional stop). See ``docs/collapse.md`` for the definitions and thresholds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ragen.agent.trajectory import Trajectory
+
+
+def _bigrams(text: str) -> set[tuple[str, str]]:
+    words = text.split()
+    return set(zip(words, words[1:])) if len(words) > 1 else {(w, "") for w in words}
+
+
+def _jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a or b else 1.0
+
+
+def collapse_signals(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Diversity and dependence-on-input of one step's responses.
+
+    * ``collapse/in_group_reward_std`` -- mean over groups of the std of episode rewards within the
+      group: 0 means every group agrees and GRPO-style updates get no signal.
+    * ``collapse/distinct_2`` -- distinct word bigrams / all bigrams over the step's responses.
+    * ``collapse/cross_prompt_similarity`` -- mean bigram-Jaccard similarity of first responses to
+      *different* prompts (groups); near 1 means the model answers every input the same way.
+    * ``collapse/prompt_response_mi`` -- plug-in mutual information I(prompt; response) in bits over
+      exact first-turn responses, divided by H(prompt); 0 means responses carry no information
+      about the input (template collapse, RAGEN-2), 1 means they identify it.
+    """
+    ok = [t for t in trajectories if t.turns and not t.error]
+    if not ok:
+        return {}
+    by_group: dict[int, list[Trajectory]] = defaultdict(list)
+    for t in ok:
+        by_group[t.group_id].append(t)
+    stds = [statistics.pstdev([t.reward for t in g]) for g in by_group.values() if len(g) > 1]
+    responses = [t.turns[0].response for t in ok]
+    all_bigrams = [bg for r in responses for bg in zip(r.split(), r.split()[1:])]
+    out = {
+        "collapse/in_group_reward_std": statistics.fmean(stds) if stds else 0.0,
+        "collapse/distinct_2": len(set(all_bigrams)) / len(all_bigrams) if all_bigrams else 0.0,
+    }
+    firsts = [(gid, _bigrams(g[0].turns[0].response)) for gid, g in sorted(by_group.items())]
+    pairs = [(a, b) for i, (_, a) in enumerate(firsts) for (_, b) in firsts[i + 1 :]]
+    if pairs:
+        out["collapse/cross_prompt_similarity"] = statistics.fmean(_jaccard(a, b) for a, b in pairs)
+    out["collapse/prompt_response_mi"] = normalised_mutual_information([(t.group_id, t.turns[0].response) for t in ok])
+    return out
+
+
+def normalised_mutual_information(pairs: list[tuple[object, object]]) -> float:
+    """I(X; Y) / H(X) from samples ``(x, y)`` (plug-in estimate; 0 if H(X) = 0)."""
+    n = len(pairs)
+    if n == 0:
+        return 0.0
+    px, py, pxy = Counter(x for x, _ in pairs), Counter(y for _, y in pairs), Counter(pairs)
+    h_x = -sum(c / n * math.log2(c / n) for c in px.values())
+    if h_x == 0:
+        return 0.0
+    mi = sum(c / n * math.log2((c / n) / ((px[x] / n) * (py[y] / n))) for (x, y), c in pxy.items())
+    return max(0.0, mi / h_x)
+
+
+@dataclass
+class CollapseMonitor:
+    """Warns when the signals cross thresholds; ``should_stop`` once a collapse is confirmed.
+
+    Thresholds (documented in ``docs/collapse.md``): entropy below ``entropy_floor``; in-group
+    reward std below ``std_floor`` for ``patience`` consecutive steps; a gradient norm above
+    ``spike_factor`` × the running median of the previous ones; cross-prompt similarity above
+    ``similarity_ceiling``.
+    """
+
+    entropy_floor: float = 0.05
+    std_floor: float = 1e-3
+    spike_factor: float = 5.0
+    similarity_ceiling: float = 0.9
+    patience: int = 3
+    _grad_norms: list[float] = field(default_factory=list)
+    _flat_steps: int = 0
+    collapsed: bool = False
+
+    def check(self, metrics: dict[str, float]) -> list[str]:
+        warnings: list[str] = []
+        entropy = metrics.get("actor/entropy")
+        if entropy is not None and entropy < self.entropy_floor:
+            warnings.append(f"policy entropy {entropy:.3f} < {self.entropy_floor}: answers are becoming deterministic")
+        std = metrics.get("collapse/in_group_reward_std")
+        if std is not None:
+            self._flat_steps = self._flat_steps + 1 if std < self.std_floor else 0
+            if self._flat_steps >= self.patience:
+                warnings.append(f"in-group reward std ~0 for {self._flat_steps} steps: no learning signal left")
+        grad = metrics.get("actor/grad_norm")
+        if grad is not None and math.isfinite(grad):
+            history = [g for g in self._grad_norms[-20:] if g > 0]
+            if len(history) >= 5 and grad > self.spike_factor * statistics.median(history):
+                warnings.append(f"grad norm spike {grad:.3g} > {self.spike_factor} x running median {statistics.median(history):.3g}")
+            self._grad_norms.append(grad)
+        similarity = metrics.get("collapse/cross_prompt_similarity")
+        if similarity is not None and similarity > self.similarity_ceiling:
+            warnings.append(f"cross-prompt similarity {similarity:.2f} > {self.similarity_ceiling}: template collapse")
+        # Confirmed collapse: low entropy together with no reward variance left.
+        if entropy is not None and entropy < self.entropy_floor and self._flat_steps >= self.patience:
+            self.collapsed = True
+        return warnings

@@ -1,0 +1,46 @@
+import math
+
+import pytest
+
+from ragen.agent.trajectory import Trajectory, Turn
+from ragen.eval.collapse import CollapseMonitor, collapse_signals, normalised_mutual_information
+
+
+def _traj(group: int, response: str, reward: float) -> Trajectory:
+    t = Trajectory(env_name="x", group_id=group, seed=group)
+    t.turns = [Turn(response, [], True, reward, 0.0)]
+    return t
+
+
+def test_mutual_information_extremes():
+    # Responses identify the prompt exactly: I = H(X).
+    assert normalised_mutual_information([(0, "a"), (1, "b"), (0, "a"), (1, "b")]) == pytest.approx(1.0)
+    # The same response whatever the prompt (template collapse): I = 0.
+    assert normalised_mutual_information([(0, "a"), (1, "a"), (2, "a")]) == 0.0
+    # Hand-computed: X uniform on {0,1}; Y = "a" for x=0 twice, x=1 gives "a" and "b".
+    # p(a)=3/4, p(b)=1/4; I = 2/4*log2((1/2)/(1/2*3/4)) + 1/4*log2((1/4)/(1/2*3/4)) + 1/4*log2((1/4)/(1/2*1/4))
+    pairs = [(0, "a"), (0, "a"), (1, "a"), (1, "b")]
+    expected = 0.5 * math.log2(4 / 3) + 0.25 * math.log2(2 / 3) + 0.25 * math.log2(2)
+    assert normalised_mutual_information(pairs) == pytest.approx(expected)
+
+
+def test_signals_separate_diverse_from_collapsed_batches():
+    diverse = [_traj(g, f"prompt {g} needs move {g} then {g + 1}", float(i)) for g in range(4) for i in range(2)]
+    collapsed = [_traj(g, "I will go Up then Up", 0.0) for g in range(4) for _ in range(2)]
+    d, c = collapse_signals(diverse), collapse_signals(collapsed)
+    assert d["collapse/in_group_reward_std"] == pytest.approx(0.5) and c["collapse/in_group_reward_std"] == 0.0
+    assert c["collapse/cross_prompt_similarity"] == 1.0 > d["collapse/cross_prompt_similarity"]
+    assert c["collapse/prompt_response_mi"] == 0.0 and d["collapse/prompt_response_mi"] == pytest.approx(1.0)
+    assert c["collapse/distinct_2"] < d["collapse/distinct_2"]
+
+
+def test_monitor_warns_and_confirms_collapse():
+    monitor = CollapseMonitor(patience=2)
+    for _ in range(6):
+        assert monitor.check({"actor/grad_norm": 1.0, "actor/entropy": 1.0, "collapse/in_group_reward_std": 0.3}) == []
+    spike = monitor.check({"actor/grad_norm": 50.0})
+    assert spike and "grad norm spike" in spike[0]
+    monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0})
+    assert not monitor.collapsed
+    warnings = monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0, "collapse/cross_prompt_similarity": 0.95})
+    assert monitor.collapsed and len(warnings) == 3
