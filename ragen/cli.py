@@ -115,6 +115,41 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from ragen.config import ConfigError, load_config
+
+    preset = args.env
+    if Path(preset).is_dir() and (Path(preset) / "config.yaml").is_file():  # a run dir: its own config
+        preset = str(Path(preset) / "config.yaml")
+    try:
+        config = load_config(preset, args.overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    config.model = args.model  # set directly: a path or openai:NAME is not re-parsed as YAML
+    if args.k < 0 or (args.n is not None and args.n < max(1, args.k)):
+        return _fail(f"--k must be >= 0 and --n >= --k (got --k {args.k}, --n {args.n})")
+    _quiet_transformers()
+    from ragen.eval.evaluate import evaluate, format_table
+    from ragen.models import ModelLoadError
+    from ragen.models.openai_backend import OpenAIError
+
+    try:
+        report = evaluate(config, k=args.k, n=args.n, baselines=not args.no_baselines)
+    except (ModelLoadError, OpenAIError, ValueError) as exc:
+        return _fail(str(exc).splitlines()[0] if str(exc) else repr(exc))
+    except OSError as exc:  # e.g. a directory with a config.json but no loadable weights
+        return _fail(f"model={args.model!r} could not be loaded: {exc}".splitlines()[0])
+    print(format_table(report))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[ragen] wrote {out}")
+    return 0
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -148,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     plot.add_argument("--out", default=None, help="PNG file or directory (default: RUN_DIR/curves.png, ./curves.png)")
     plot.set_defaults(func=cmd_plot)
+    evaluate = sub.add_parser("eval", help="evaluate a model or run dir on the held-out validation seeds, with baselines")
+    evaluate.add_argument("model", help="smollm2-135m, tiny, an HF model dir, a run dir, or openai:MODEL")
+    evaluate.add_argument("env", metavar="ENV_OR_YAML", help="env preset, YAML config, or a run dir (uses its config.yaml)")
+    evaluate.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.val_episodes=128")
+    evaluate.add_argument("--k", type=int, default=4, help="pass@k: k (0 = greedy only; default 4)")
+    evaluate.add_argument("--n", type=int, default=None, help="samples per seed for pass@k (default k; n > k: unbiased estimator)")
+    evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the full report as JSON to OUT")
+    evaluate.add_argument("--no-baselines", action="store_true", help="skip the random and expert agents")
+    evaluate.set_defaults(func=cmd_eval)
     return parser
 
 

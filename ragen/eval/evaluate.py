@@ -1,0 +1,233 @@
+"""``ragen eval``: a model (or run dir, or API model) on the held-out validation seeds, next to baselines.
+
+The episodes are exactly those of training validation: envs reset with seeds
+``VAL_SEED_BASE + i`` for ``i < trainer.val_episodes``, played by the same
+:class:`~ragen.agent.Rollout` with the same prompts, parser and agent settings. Reported:
+
+* ``success`` -- greedy decoding (``do_sample=False``): the headline number;
+* ``pass@k`` -- ``n`` sampled episodes per seed at ``rollout.temperature``; per seed with
+  ``c`` successes, ``1 - C(n-c, k) / C(n, k)`` (Chen et al. 2021, unbiased), averaged
+  over seeds. With ``n == k`` this is the share of seeds with at least one success;
+* ``reward_mean``, ``valid_action_rate`` (share of turns whose answer parsed into valid
+  actions), ``response_length`` (tokens per turn) -- for both decodings;
+* baselines on the same seeds and turn budget: the random agent and the expert (oracle)
+  agent of :mod:`ragen.envs.agents`; an env without an expert is skipped with a note.
+
+See ``docs/eval.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import ragen.envs
+from ragen.config import RunConfig
+
+#: Model specs starting with this prefix are served by an OpenAI-compatible chat API.
+OPENAI_PREFIX = "openai:"
+STOP = ("</answer>",)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from ``n`` samples with ``c`` correct (Chen et al. 2021)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def validation_seeds(n: int) -> list[int]:
+    """The held-out seeds training validation uses (see ``StarPOTrainer.validate``)."""
+    from ragen.train.trainer import VAL_SEED_BASE
+
+    return [VAL_SEED_BASE + i for i in range(n)]
+
+
+# -- model side ------------------------------------------------------------------------------
+
+
+def make_backend(config: RunConfig):
+    """``(backend, tokenizer)`` for ``config.model``: an HF model / run dir, or ``openai:NAME``.
+
+    Raises ``ModelLoadError`` (not a model) or ``OpenAIConfigError`` (no API key).
+    """
+    spec = config.model
+    if spec.startswith(OPENAI_PREFIX):
+        from ragen.models.openai_backend import OpenAIChatBackend
+
+        backend = OpenAIChatBackend(spec[len(OPENAI_PREFIX) :])
+        return backend, backend.tokenizer
+    from ragen.models import HFBackend, load_model
+
+    model, tokenizer = load_model(spec, seed=config.seed)
+    backend = HFBackend(model, tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
+    return backend, tokenizer
+
+
+def _summarise(trajectories) -> dict[str, float]:
+    from ragen.eval.metrics import episode_metrics
+
+    raw = episode_metrics(trajectories, "m")
+    out = {key.split("/", 1)[1]: value for key, value in raw.items()}
+    if "format_valid" in out:
+        out["valid_action_rate"] = out["format_valid"]
+    return out
+
+
+def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int, n: int) -> dict[str, Any]:
+    """Greedy episodes on ``seeds``, then ``n`` sampled episodes per seed for pass@k (``k = 0`` skips them)."""
+    from ragen.agent import AgentSettings, Rollout
+    from ragen.models import SamplingParams
+
+    r, agent = config.rollout, AgentSettings(**asdict(config.agent))
+    index = {s: i for i, s in enumerate(seeds)}
+
+    def play(do_sample: bool, episode_seeds: list[int]):
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                  top_k=r.top_k, do_sample=do_sample, stop=STOP)
+        envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in episode_seeds]
+        group_ids = [index[s] for s in episode_seeds]  # one group per seed
+        return Rollout(backend, tokenizer, agent, sampling).run(envs, episode_seeds, group_ids, config.env.name)
+
+    greedy = play(False, seeds)
+    result: dict[str, Any] = {"greedy": _summarise(greedy)}
+    if k > 0:
+        sampled_seeds = [s for s in seeds for _ in range(n)]
+        sampled = play(True, sampled_seeds)
+        per_seed: dict[int, list[bool]] = {s: [] for s in seeds}
+        for traj in sampled:
+            if not traj.error:
+                per_seed[traj.seed].append(bool(traj.success))
+        scores = [pass_at_k(len(v), sum(v), k) for v in per_seed.values() if len(v) >= k]
+        summary = _summarise(sampled)
+        summary.update({"k": k, "n": n, "pass_at_k": statistics.fmean(scores) if scores else float("nan"),
+                        "seeds_scored": len(scores)})
+        result["sampled"] = summary
+        result["sampled_examples"] = [t.to_json() for t in sampled[: min(3, len(sampled))]]
+    result["greedy_examples"] = [t.to_json() for t in greedy[: min(3, len(greedy))]]
+    return result
+
+
+# -- baselines -------------------------------------------------------------------------------
+
+
+def run_baseline(config: RunConfig, name: str, seeds: list[int]) -> dict[str, Any]:
+    """The ``random`` or ``expert`` agent on ``seeds`` with the model's turn budget; ``{"skipped": why}`` if it cannot."""
+    from ragen.envs.agents import ExpertAgent, RandomAgent, run_episode
+
+    per_turn = config.agent.max_actions_per_turn
+    agent = RandomAgent(seed=config.seed, max_actions_per_turn=per_turn) if name == "random" else ExpertAgent(per_turn)
+    env = ragen.envs.make(config.env.name, **config.env.config)
+    try:
+        results = [run_episode(env, agent, seed=s, max_turns=config.agent.max_turn) for s in seeds]
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a baseline must never sink the model's evaluation
+        return {"skipped": f"{name} agent raised {exc!r}"}
+    turns = sum(res["turns"] for res in results)
+    rewards = [res["reward"] for res in results]
+    return {
+        "episodes": float(len(results)),
+        "success": statistics.fmean(res["success"] for res in results),
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "valid_action_rate": 1.0 - sum(res["invalid_turns"] for res in results) / max(1, turns),
+        "turns_per_episode": turns / len(results),
+        "actions_per_episode": statistics.fmean(res["steps"] for res in results),
+    }
+
+
+# -- the whole evaluation ----------------------------------------------------------------------
+
+
+def evaluate(config: RunConfig, *, k: int = 4, n: int | None = None, baselines: bool = True,
+             backend=None, tokenizer=None) -> dict[str, Any]:
+    """Evaluate ``config.model`` on ``config.env``; returns the JSON-ready report (see ``docs/eval.md``)."""
+    n = k if n is None else n
+    if k < 0 or (k > 0 and n < k):
+        raise ValueError(f"--k must be >= 0 and --n >= --k (got k={k}, n={n})")
+    notes: list[str] = []
+    if config.model.startswith(OPENAI_PREFIX) and config.agent.response_prefix:
+        notes.append(f"agent.response_prefix {config.agent.response_prefix!r} not used: a chat API cannot be prefilled")
+        config.agent.response_prefix = ""
+    seeds = validation_seeds(config.trainer.val_episodes)
+    if backend is None:
+        backend, tokenizer = make_backend(config)
+    model = run_model(config, backend, tokenizer, seeds, k=k, n=n)
+    greedy, sampled = model["greedy"], model.get("sampled", {})
+    report: dict[str, Any] = {
+        "model": config.model,
+        "env": config.env.name,
+        "env_config": dict(config.env.config),
+        "episodes": len(seeds),
+        "seeds": {"first": seeds[0], "count": len(seeds)},
+        "temperature": config.rollout.temperature,
+        "k": k,
+        "n": n if k > 0 else 0,
+        # headline numbers
+        "success": greedy.get("success"),
+        "pass_at_k": sampled.get("pass_at_k"),
+        "reward_mean": greedy.get("reward_mean"),
+        "valid_action_rate": greedy.get("valid_action_rate"),
+        "response_length": greedy.get("response_length"),
+        "greedy": greedy,
+        "sampled": sampled or None,
+        "baselines": {},
+        "notes": notes,
+        "examples": {"greedy": model["greedy_examples"], "sampled": model.get("sampled_examples", [])},
+    }
+    if k > 0:
+        report[f"pass@{k}"] = sampled.get("pass_at_k")
+    if greedy.get("env_errors"):
+        notes.append(f"{int(greedy['env_errors'])} greedy episode(s) ended with an env error and are left out")
+    if baselines:
+        for name in ("random", "expert"):
+            row = run_baseline(config, name, seeds)
+            report["baselines"][name] = row
+            if "skipped" in row:
+                notes.append(f"{name} baseline skipped: {row['skipped']}")
+    return report
+
+
+def _cell(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table: the model greedy and sampled, then the baselines, same seeds."""
+    k = report["k"]
+    pass_col = f"pass@{k}" if k else "pass@k"
+    header = f"{'agent':<24}{'success':>9}{pass_col:>9}{'reward':>9}{'valid':>8}{'resp_len':>10}{'turns':>7}"
+    lines = [
+        f"ragen eval: model={report['model']}  env={report['env']}  "
+        f"{report['episodes']} held-out seeds ({report['seeds']['first']}..+{report['episodes'] - 1})",
+        header,
+        "-" * len(header),
+    ]
+
+    def row(label: str, m: dict[str, Any], pk: Any = None) -> str:
+        return (f"{label:<24}{_cell(m.get('success')):>9}{_cell(pk):>9}{_cell(m.get('reward_mean')):>9}"
+                f"{_cell(m.get('valid_action_rate'), 2):>8}{_cell(m.get('response_length'), 1):>10}"
+                f"{_cell(m.get('turns_per_episode'), 1):>7}")
+
+    lines.append(row("model, greedy", report["greedy"]))
+    if report.get("sampled"):
+        s = report["sampled"]
+        lines.append(row(f"model, T={report['temperature']:g} x{s['n']}", s, s.get("pass_at_k")))
+    for name, m in report["baselines"].items():
+        label = f"{name} agent" + (" (oracle)" if name == "expert" else "")
+        lines.append(f"{label:<24}  skipped" if "skipped" in m else row(label, m))
+    lines.append("")
+    lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
+                 f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
+    lines.extend(f"note: {note}" for note in report["notes"])
+    return "\n".join(lines)
+
+
+__all__ = ["evaluate", "format_table", "pass_at_k", "validation_seeds", "run_baseline", "run_model", "make_backend", "OPENAI_PREFIX"]
