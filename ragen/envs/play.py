@@ -163,6 +163,8 @@ def play(
 
 def main_play(env_name: str, overrides: list[str], seed: int | None, input_fn=input, print_fn=print) -> dict[str, Any]:
     """The CLI's entry: preset settings, then overrides; ``ValueError`` for any user mistake."""
+    if env_name == "textarena":  # optional adapter: registered on import
+        import ragen.envs.textarena_adapter  # noqa: F401
     if env_name not in ragen.envs.registered():
         raise ValueError(f"unknown env {env_name!r}; registered envs: {', '.join(sorted(ragen.envs.registered()))}")
     env_cfg, agent = preset_settings(env_name)
