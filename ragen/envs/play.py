@@ -15,6 +15,7 @@ agent settings (turn limit, actions per turn, think/no-think) are used, so
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import fields
 from typing import Any, Callable
@@ -164,7 +165,7 @@ def play(
 def main_play(env_name: str, overrides: list[str], seed: int | None, input_fn=input, print_fn=print) -> dict[str, Any]:
     """The CLI's entry: preset settings, then overrides; ``ValueError`` for any user mistake."""
     if env_name == "textarena":  # optional adapter: registered on import
-        import ragen.envs.textarena_adapter  # noqa: F401
+        importlib.import_module("ragen.envs.textarena_adapter")
     if env_name not in ragen.envs.registered():
         raise ValueError(f"unknown env {env_name!r}; registered envs: {', '.join(sorted(ragen.envs.registered()))}")
     env_cfg, agent = preset_settings(env_name)

@@ -7,9 +7,15 @@ import warnings
 import pytest
 
 import ragen.envs
-import ragen.envs.textarena_adapter  # noqa: F401  (registers "textarena")
 
 HAVE_TEXTARENA = importlib.util.find_spec("textarena") is not None
+
+
+@pytest.fixture(autouse=True)
+def adapter():
+    # Imported (and so registered) only when a test here runs, never at collection, so that
+    # tests/envs/test_all_envs.py's list of registered envs never includes "textarena".
+    return importlib.import_module("ragen.envs.textarena_adapter")
 
 
 @pytest.mark.skipif(HAVE_TEXTARENA, reason="textarena is installed")
