@@ -164,6 +164,11 @@ def play(
 
 def main_play(env_name: str, overrides: list[str], seed: int | None, input_fn=input, print_fn=print) -> dict[str, Any]:
     """The CLI's entry: preset settings, then overrides; ``ValueError`` for any user mistake."""
+    if input_fn is input:
+        try:  # line editing and history for people at a terminal
+            importlib.import_module("readline")
+        except ImportError:
+            pass
     if env_name == "textarena":  # optional adapter: registered on import
         importlib.import_module("ragen.envs.textarena_adapter")
     if env_name not in ragen.envs.registered():
