@@ -257,4 +257,63 @@ def evaluate_agent(
     }
 
 
-__all__ = ["Agent", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]
+def record_conversation(
+    env: Any,
+    agent: Agent,
+    seed: int | None = None,
+    settings: Any = None,
+    think: str = "",
+) -> dict[str, Any]:
+    """One episode as the chat the rollout would build, with ``agent`` in the model's seat (SFT data).
+
+    ``messages`` holds the system prompt, every user message exactly as
+    :class:`ragen.agent.context.PromptFormat` words it for ``settings``
+    (:class:`ragen.agent.rollout.AgentSettings`; defaults if None), and the agent's replies
+    as ``<think>{think}</think><answer>a1 || a2</answer>`` (``<answer>…</answer>`` without
+    think). Turn limits, actions per turn and per episode follow ``settings``; an expert
+    should be built with ``max_actions_per_turn=settings.max_actions_per_turn``.
+    Returns ``messages``, ``success``, ``reward`` (env rewards plus format penalties).
+    """
+    from ragen.agent.context import PromptFormat
+    from ragen.agent.rollout import AgentSettings
+
+    settings = settings or AgentSettings()
+    fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
+    raw = env.unwrapped
+    observation, _ = env.reset(seed=seed)
+    agent.begin_episode(env, seed)
+    limit = settings.max_actions_per_traj
+    actions_left = limit if limit > 0 else None
+    messages = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
+    messages.append({"role": "user", "content": fmt.first_user_message(raw.instructions, observation, 1, actions_left)})
+    total, success = 0.0, False
+    for turn in range(1, settings.max_turn + 1):
+        actions = list(agent.act(env))[: settings.max_actions_per_turn]
+        answer = f" {settings.action_sep} ".join(actions)
+        reply = f"<think>{think}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
+        messages.append({"role": "assistant", "content": reply})
+        ids = [raw.parse_action(a) for a in actions]
+        reward, feedback, done = 0.0, "", False
+        if not actions or None in ids:
+            bad = actions[ids.index(None)] if actions else ""
+            feedback = f"Your answer was invalid (unknown action {bad!r}); the state did not change."
+            reward = settings.format_penalty
+        else:
+            for action_id in ids if actions_left is None else ids[:actions_left]:
+                observation, r, terminated, truncated, info = env.step(action_id)
+                reward += float(r)
+                success = bool(info.get("success", False))
+                if actions_left is not None:
+                    actions_left -= 1
+                if terminated or truncated:
+                    done = True
+                    break
+        total += reward
+        if done or (actions_left is not None and actions_left <= 0) or turn == settings.max_turn:
+            break
+        next_user = fmt.next_user_message(reward, observation, turn + 1, actions_left, feedback)
+        messages.append({"role": "user", "content": next_user})
+    return {"messages": messages, "success": success, "reward": total}
+
+
+__all__ = ["Agent", "record_conversation", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]

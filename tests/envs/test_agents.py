@@ -110,3 +110,29 @@ def test_expert_without_solver_raises_naming_the_hook():
 
     with pytest.raises(ValueError, match="expert_actions"):
         ExpertAgent().act(NoSolver())
+
+
+def test_record_conversation_is_the_rollouts_chat_with_the_expert_answering():
+    from ragen.agent.context import PromptFormat
+    from ragen.agent.parser import parse_response
+    from ragen.agent.rollout import AgentSettings
+    from ragen.envs.agents import record_conversation
+
+    settings = AgentSettings(max_turn=5, max_actions_per_turn=2, max_actions_per_traj=10)
+    env = ragen.envs.make("sokoban")
+    seed = next(s for s in range(100) if env.reset(seed=s) and len(solve_sokoban(env)) >= 4)
+    convo = record_conversation(env, ExpertAgent(max_actions_per_turn=2), seed=seed, settings=settings)
+    messages = convo["messages"]
+    assert convo["success"] and [m["role"] for m in messages[:3]] == ["system", "user", "assistant"]
+    obs, _ = env.reset(seed=seed)
+    fmt = PromptFormat(True, 2, "||")
+    assert messages[1]["content"] == fmt.first_user_message(env.instructions, obs, 1, 10)
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    for reply in replies:
+        parsed = parse_response(reply, enable_think=True, max_actions=2)
+        assert parsed.format_valid and all(env.parse_action(a) for a in parsed.actions)
+    # the second user message carries the first turn's reward and the new state
+    first_actions = parse_response(replies[0], max_actions=2).actions
+    reward = sum(env.step(env.parse_action(a))[1] for a in first_actions)
+    assert messages[3]["content"] == fmt.next_user_message(reward, env.render(), 2, 8)
+    assert messages[-1]["role"] == "assistant"
