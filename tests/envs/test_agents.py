@@ -37,7 +37,7 @@ def test_expert_vs_random_on_sokoban_and_deterministic_lake():
 def test_expert_on_slippery_lake_matches_the_solvers_success_probability():
     env = ragen.envs.make("frozen_lake")
     expected, wins = 0.0, 0
-    n = 200
+    n = 100
     for seed in range(n):
         env.reset(seed=seed)
         expected += success_probability(env, horizon=env.config.max_steps)
