@@ -160,6 +160,9 @@ class TrainerConfig:
     stop_on_collapse: bool = False
     #: Draw ``curves.png`` (success, reward, entropy, grad norm, length) at the end.
     plot: bool = True
+    #: Run each group's shared first prompt once in the update and reuse its KV cache for every
+    #: member (same results up to float rounding; ~3x faster on the bandit preset).
+    share_prompt_prefix: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
 

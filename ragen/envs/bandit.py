@@ -124,4 +124,8 @@ class BanditEnv(TextEnv):
         if self._done and not self.action_lookup[1]:
             return ""
         first, second = self.action_lookup[1], self.action_lookup[2]
-        return f"The arms are {first} and {second}. Which arm do you pull? Reply with its name only, like <answer>{first}</answer>."
+        # Both names appear in the example, so copying it favours neither arm (RAGEN's phrasing).
+        return (
+            f"The arms are {first} and {second}. Which arm do you pull? "
+            f"Reply with its name only: <answer>{first}</answer> or <answer>{second}</answer>."
+        )

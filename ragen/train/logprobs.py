@@ -24,6 +24,62 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Last hidden states ``(B, L, H)`` of a right-padded batch.
+
+    With ``prompt_lengths`` (``(B,)``, tokens before each row's first model-written token), rows
+    that start with the same prompt -- every env of a group shares its seed, so its first prompt --
+    run that prompt once: the prompts go through the decoder as one left-padded batch, their KV
+    cache is copied to each row (``index_select``, differentiable), and only the rows' own
+    continuations are computed on top. The result equals the plain pass up to float rounding, at
+    a fraction of the cost when prompts are long and answers short.
+    """
+    decoder = _base_model(model).get_decoder()
+    if prompt_lengths is None:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    B, L = input_ids.shape
+    lengths = attention_mask.sum(1).tolist()  # (B,)
+    plens = [max(1, int(p)) for p in prompt_lengths.tolist()]
+    prompt_index: dict[tuple[int, ...], int] = {}
+    row_prompt = [prompt_index.setdefault(tuple(input_ids[r, : plens[r]].tolist()), len(prompt_index)) for r in range(B)]
+    prompts = list(prompt_index)
+    P = max(len(p) for p in prompts)
+    pad = int(input_ids[0, -1]) if attention_mask[0, -1] == 0 else 0
+    prompt_ids = torch.full((len(prompts), P), pad, dtype=input_ids.dtype)  # (G, P) left-padded
+    prompt_mask = torch.zeros((len(prompts), P), dtype=attention_mask.dtype)
+    for g, p in enumerate(prompts):
+        prompt_ids[g, P - len(p) :] = torch.tensor(p)
+        prompt_mask[g, P - len(p) :] = 1
+    prompt_out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
+                         position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+    suffix_lens = [lengths[r] - plens[r] for r in range(B)]
+    S = max(suffix_lens)
+    rows = []
+    if S > 0:
+        cache = prompt_out.past_key_values
+        index = torch.tensor(row_prompt)
+        cache.reorder_cache(index)  # (G, ...) -> (B, ...), one copy of its prompt's cache per row
+        suffix_ids = torch.full((B, S), pad, dtype=input_ids.dtype)  # (B, S) right-padded continuations
+        suffix_mask = torch.zeros((B, S), dtype=attention_mask.dtype)
+        for r in range(B):
+            suffix_ids[r, : suffix_lens[r]] = input_ids[r, plens[r] : lengths[r]]
+            suffix_mask[r, : suffix_lens[r]] = 1
+        positions = torch.tensor(plens)[:, None] + torch.arange(S)[None, :]  # (B, S)
+        suffix_hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
+                                position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+    prompt_hidden = prompt_out.last_hidden_state  # (G, P, H)
+    for r in range(B):
+        parts = [prompt_hidden[row_prompt[r], P - plens[r] :]]
+        if suffix_lens[r] > 0:
+            parts.append(suffix_hidden[r, : suffix_lens[r]])
+        rows.append(torch.cat(parts, 0))  # (len_r, H)
+    hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, max len, H)
+    if hidden.shape[1] < L:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, L - hidden.shape[1]))
+    return hidden
+
+
 def policy_forward(
     model,
     input_ids: torch.Tensor,
@@ -33,6 +89,7 @@ def policy_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
+    prompt_lengths: torch.Tensor | None = None,
     chunk_size: int = 1024,
 ) -> PolicyOutput:
     """One decoder pass → log-probs (and entropy, values) at response targets.
@@ -42,9 +99,10 @@ def policy_forward(
         response_mask: ``(B, T)`` with ``T = L - 1``; targets where results are needed.
         temperature: logits are divided by it, matching the sampling distribution.
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
+        prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """
     base = _base_model(model)
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
+    hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
     targets = input_ids[:, 1:][where]  # (N,)

@@ -241,6 +241,7 @@ class StarPOTrainer:
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
                     temperature=self.config.rollout.temperature, with_entropy=True, value_head=self.value_head,
+                    prompt_lengths=self.prompt_lengths(micro),
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(
@@ -286,15 +287,24 @@ class StarPOTrainer:
             micro = batch.select(slice(start, start + step)).trim()
             T = micro.response_mask.shape[1]
             args = (micro.input_ids, micro.attention_mask, micro.response_mask)
+            shared = self.prompt_lengths(micro)
             with autocast(self.config.trainer.precision):
                 if wanted:
-                    res = policy_forward(self.model, *args, temperature=temperature, value_head=self.value_head if values else None)
+                    res = policy_forward(self.model, *args, temperature=temperature, prompt_lengths=shared,
+                                         value_head=self.value_head if values else None)
                     for name in wanted:
                         out[name][start : start + step, :T] = getattr(res, name)
                 if ref:
                     with self.reference_policy() as ref_model:
-                        out["ref_logprobs"][start : start + step, :T] = policy_forward(ref_model, *args, temperature=temperature).logprobs
+                        out["ref_logprobs"][start : start + step, :T] = policy_forward(
+                            ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs
         return out
+
+    def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
+        """Tokens before each row's first model-written token, when shared prompts run once (else None)."""
+        if not self.config.trainer.share_prompt_prefix:
+            return None
+        return batch.response_mask.argmax(dim=1) + 1  # target t predicts token t + 1
 
     @property
     def uses_kl(self) -> bool:

@@ -68,3 +68,42 @@ def test_lora_trains_only_adapters(tmp_path):
     trainer.update([_trajectory(trainer.tokenizer, 0, "<answer>A</answer>", 1.0), _trajectory(trainer.tokenizer, 0, "<answer>B</answer>", 0.0)])
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_B" in n or "lora_A" in n for n in changed)
+
+
+def _batch_with_shared_prompts(tokenizer):
+    from ragen.train.batch import collate
+
+    trajs = []
+    for group, arms in enumerate(["Gambler, Clerk", "Pirate, Baker, and a much longer prompt here"]):
+        for reply in ["<answer>Gambler</answer>", "<answer>Clerk</answer>", "<answer>no</answer>"]:
+            t = _trajectory(tokenizer, group, reply, float(len(reply)))
+            prompt = tokenizer(f"<|im_start|>user\nArms: {arms}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+            answer = t.input_ids[t.turn_spans[0][0]:]
+            t.input_ids, t.loss_mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+            t.turn_spans = [(len(prompt), len(t.input_ids))]
+            trajs.append(t)
+    return collate(trajs, tokenizer.pad_token_id)
+
+
+def test_shared_prompt_pass_equals_the_plain_pass(tiny):
+    """The optimised update (each group's prompt once, KV cache reused) gives the plain log-probs and gradients."""
+    from ragen.models import autocast
+    from ragen.train.logprobs import policy_forward
+
+    model, tokenizer = tiny
+    batch = _batch_with_shared_prompts(tokenizer)
+    prompt_lengths = batch.response_mask.argmax(dim=1) + 1
+    for precision, tol in (("fp32", 1e-5), ("bf16", 5e-2)):
+        results = []
+        for shared in (None, prompt_lengths):
+            model.zero_grad()
+            with autocast(precision):
+                out = policy_forward(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                     with_entropy=True, prompt_lengths=shared)
+            (out.logprobs * batch.response_mask).sum().backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            results.append((out.logprobs.detach(), out.entropy.detach(), grads))
+        (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+        assert torch.allclose(lp_a, lp_b, atol=tol), (precision, (lp_a - lp_b).abs().max())
+        assert torch.allclose(ent_a, ent_b, atol=tol)
+        assert (g_a - g_b).norm() / g_a.norm() < tol
