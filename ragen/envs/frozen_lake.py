@@ -94,8 +94,8 @@ class FrozenLakeEnv(TextEnv):
         self.render_mode = render_mode
         self.instructions = (
             "You are playing FrozenLake: walk from the start to the goal G without falling into a hole O. "
-            "The ice is slippery: you may move perpendicular to the direction you chose.\n"
-            f"The meaning of each symbol in the state is:\n{SYMBOL_LEGEND}\n"
+            + ("The ice is slippery: you may move perpendicular to the direction you chose.\n" if self.config.is_slippery else "\n")
+            + f"The meaning of each symbol in the state is:\n{SYMBOL_LEGEND}\n"
             "Valid actions: " + ", ".join(ACTION_LOOKUP.values())
         )
         self.observation_space = _observation_space(self.config.size, self.config.size)

@@ -63,47 +63,9 @@ def make_backend(config: RunConfig):
         return backend, backend.tokenizer
     from ragen.models import HFBackend, load_model
 
-    loaded = _load_lora_run(spec)
-    model, tokenizer = loaded if loaded is not None else load_model(spec, seed=config.seed)
+    model, tokenizer = load_model(spec, seed=config.seed)
     backend = HFBackend(model, tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
     return backend, tokenizer
-
-
-def _load_lora_run(spec: str):
-    """A run dir's LoRA adapter whose ``adapter_config.json`` names no base model (e.g. ``tiny``).
-
-    ``load_model`` merges adapters onto ``base_model_name_or_path``; when that is empty, the
-    run's own ``config.yaml`` says which base model (and seed) the adapter was trained on.
-    Returns ``(merged model, tokenizer)``, or None when ``load_model`` can handle ``spec``.
-    """
-    import json
-    from pathlib import Path
-
-    from ragen.models.loading import resolve_model_path
-
-    if spec.startswith(OPENAI_PREFIX) or spec in ("tiny", "smollm2-135m"):
-        return None
-    path = resolve_model_path(spec)
-    adapter = path / "adapter_config.json"
-    if not adapter.is_file() or (path / "config.json").is_file():
-        return None
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-    run_config = next((p / "config.yaml" for p in (path, path.parent) if (p / "config.yaml").is_file()), None)
-    if (base and Path(base).expanduser().is_dir()) or run_config is None:
-        return None
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from ragen.config import load_config
-    from ragen.models import load_model
-
-    run = load_config(str(run_config))
-    model, _ = load_model(run.model, seed=run.seed)
-    model = PeftModel.from_pretrained(model, path).merge_and_unload()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
 
 
 def _summarise(trajectories) -> dict[str, float]:

@@ -28,6 +28,29 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
+def adapter_base(path: Path) -> tuple[str, int]:
+    """The base model (spec, seed) a LoRA adapter directory was trained on.
+
+    ragen writes the base's spec (``smollm2-135m``, ``tiny`` or a path) into the adapter's
+    ``base_model_name_or_path``; for other adapters the enclosing run's ``config.yaml`` decides.
+    """
+    import json
+
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    run_config = next((p / "config.yaml" for p in (path, path.parent) if (p / "config.yaml").is_file()), None)
+    seed = 0
+    if run_config is not None:
+        from omegaconf import OmegaConf
+
+        run = OmegaConf.load(run_config)
+        seed = int(run.get("seed", 0))
+        if not (base in BUILTIN_MODELS or Path(base).expanduser().is_dir()):
+            base = str(run.get("model", base))
+    if not (base in BUILTIN_MODELS or Path(base).expanduser().is_dir()):
+        raise ModelLoadError(f"adapter {path}: its base model {base!r} is not available locally")
+    return base, seed
+
+
 def load_model(spec: str, *, seed: int = 0):
     """Return ``(model, tokenizer)`` with fp32 master weights, in eval mode.
 
@@ -41,9 +64,11 @@ def load_model(spec: str, *, seed: int = 0):
 
     path = resolve_model_path(spec)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
+        from peft import PeftModel
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload()
+        base_spec, base_seed = adapter_base(path)
+        base, _ = load_model(base_spec, seed=base_seed)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -370,8 +370,14 @@ class StarPOTrainer:
             f.write(json.dumps(metrics) + "\n")
 
     def save(self, path: Path) -> None:
+        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
+        adapter_config = path / "adapter_config.json"
+        if adapter_config.is_file():
+            data = json.loads(adapter_config.read_text())
+            data["base_model_name_or_path"] = self.config.model
+            adapter_config.write_text(json.dumps(data, indent=2))
 
     # -- checkpoints ------------------------------------------------------------------------
 
