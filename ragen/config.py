@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ragen.models.precision import PRECISIONS, resolve_precision
+
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
@@ -134,8 +136,9 @@ class TrainerConfig:
     total_steps: int = 20
     #: Run directory; empty = ``runs/<env>-<timestamp>``.
     output_dir: str = ""
-    #: "bf16" (autocast, fp32 master weights) or "fp32".
-    precision: str = "bf16"
+    #: "auto" (bf16 where the hardware multiplies bf16 natively, else fp32), "bf16"
+    #: (autocast, fp32 master weights) or "fp32". The resolved value is what config.yaml records.
+    precision: str = "auto"
     #: Validate every N steps (0 = only before training and at the end).
     val_freq: int = 0
     val_before_train: bool = True
@@ -211,6 +214,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
     validate(config)
+    config.trainer.precision = resolve_precision(config.trainer.precision)
     return config
 
 
@@ -228,7 +232,7 @@ def validate(config: RunConfig) -> None:
     need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
     need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
-    need(config.trainer.precision in ("bf16", "fp32"), "trainer.precision", "must be 'bf16' or 'fp32'")
+    need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragen.models.precision import resolve_precision
+
 
 @dataclass
 class SamplingParams:
@@ -33,7 +35,8 @@ class Generation:
 
 
 def autocast(precision: str):
-    """bf16 autocast on CPU (fp32 master weights, bf16 matmuls) or a no-op for fp32."""
+    """bf16 autocast on CPU (fp32 master weights, bf16 matmuls), a no-op for fp32; "auto" per ``resolve_precision``."""
+    precision = resolve_precision(precision)
     if precision == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     if precision == "fp32":

@@ -1,0 +1,44 @@
+"""Which compute precision pays off on this machine.
+
+bf16 autocast is only a win where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX):
+there oneDNN runs bf16 matmuls ~5x faster than fp32. Elsewhere (e.g. AVX2-only CPUs) torch
+falls back to a reference bf16 GEMM that is 5-60x *slower* than fp32 — measured on a
+2-core AMD EPYC (AVX2): fp32 ~60 GFLOP/s, bf16 0.9-23 GFLOP/s depending on transposition.
+``precision: auto`` therefore picks bf16 only where it is native, and the choice is written
+into the run's resolved config so a run is reproducible on the same hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp32")
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises bf16 arithmetic (x86 ``avx512_bf16``/``amx_bf16``, Arm ``bf16``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags: set[str] = set()
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+    except OSError:  # not Linux: be conservative
+        return False
+    return any(flag in flags for flag in _NATIVE_BF16_FLAGS) or "bf16" in flags
+
+
+def resolve_precision(precision: str) -> str:
+    """Map ``auto`` to ``bf16`` (GPU with bf16, or a CPU with native bf16) or ``fp32``; pass others through."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision != "auto":
+        return precision
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
