@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the full report as JSON to OUT")
     evaluate.add_argument("--no-baselines", action="store_true", help="skip the random and expert agents")
     evaluate.set_defaults(func=cmd_eval)
+    from ragen.sft.cli import add_sft_parser
+
+    add_sft_parser(sub)
     return parser
 
 

@@ -27,7 +27,7 @@ The expert per env:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -262,7 +262,7 @@ def record_conversation(
     agent: Agent,
     seed: int | None = None,
     settings: Any = None,
-    think: str = "",
+    think: str | Callable[[Any, list[str]], str] = "",
 ) -> dict[str, Any]:
     """One episode as the chat the rollout would build, with ``agent`` in the model's seat (SFT data).
 
@@ -270,8 +270,10 @@ def record_conversation(
     :class:`ragen.agent.context.PromptFormat` words it for ``settings``
     (:class:`ragen.agent.rollout.AgentSettings`; defaults if None), and the agent's replies
     as ``<think>{think}</think><answer>a1 || a2</answer>`` (``<answer>…</answer>`` without
-    think). Turn limits, actions per turn and per episode follow ``settings``; an expert
-    should be built with ``max_actions_per_turn=settings.max_actions_per_turn``.
+    think). ``think`` may also be a callable ``think(env, actions) -> str``, called each turn
+    before the actions are stepped (a rationale per turn). Turn limits, actions per turn and
+    per episode follow ``settings``; an expert should be built with
+    ``max_actions_per_turn=settings.max_actions_per_turn``.
     Returns ``messages``, ``success``, ``reward`` (env rewards plus format penalties).
     """
     from ragen.agent.context import PromptFormat
@@ -290,7 +292,8 @@ def record_conversation(
     for turn in range(1, settings.max_turn + 1):
         actions = list(agent.act(env))[: settings.max_actions_per_turn]
         answer = f" {settings.action_sep} ".join(actions)
-        reply = f"<think>{think}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
+        rationale = think(env, actions) if callable(think) else think
+        reply = f"<think>{rationale}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
         messages.append({"role": "assistant", "content": reply})
         ids = [raw.parse_action(a) for a in actions]
         reward, feedback, done = 0.0, "", False

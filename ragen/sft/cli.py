@@ -1,0 +1,132 @@
+"""``ragen sft``: ``generate`` (expert or rejection-sampled chat JSONL), ``train`` (SFT run), ``merge`` (LoRA → standalone model).
+
+Registered on the main parser by :func:`add_sft_parser`; nothing heavy is imported until
+a subcommand runs. Every user mistake is one line ``ragen: error: …`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _fail(message: str) -> int:
+    from ragen.cli import _fail as fail
+
+    return fail(message)
+
+
+def _quiet() -> None:
+    from ragen.cli import _quiet_transformers
+
+    _quiet_transformers()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ragen.config import ConfigError, load_config
+    from ragen.sft.generate import expert_records, rollout_records, write_jsonl
+
+    if args.n < 0 or (args.n == 0 and not args.from_run):
+        return _fail(f"--n must be >= 1 (got {args.n}); with --from-run, 0 means every successful episode")
+    if args.from_run:
+        if args.env or args.overrides:
+            return _fail("generate --from-run takes the env and agent settings from the run's config.yaml; give no ENV or overrides")
+        try:
+            count = write_jsonl(rollout_records(args.from_run, args.n), args.out)
+        except (FileNotFoundError, ConfigError, ValueError) as exc:
+            return _fail(str(exc))
+        print(f"[ragen sft] wrote {count} successful rollout episodes of {args.from_run} to {args.out}")
+        return 0 if count else _fail(f"{args.from_run}: no successful, well-formed episode in rollouts/*.jsonl")
+    if not args.env:
+        return _fail("generate needs an env preset or YAML config (or --from-run RUN_DIR)")
+    try:
+        config = load_config(args.env, args.overrides)
+        stats: dict = {}
+        count = write_jsonl(expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats), args.out)
+    except (ConfigError, ValueError) as exc:
+        return _fail(str(exc))
+    rate = stats["succeeded"] / max(1, stats["played"])
+    print(f"[ragen sft] wrote {count} expert episodes of {config.env.name} to {args.out} "
+          f"({stats['played']} played, expert success {rate:.3f} under the agent's turn and action limits)")
+    if count < args.n:
+        print(f"[ragen sft] note: fewer than --n {args.n}: the expert failed too often within the limits", flush=True)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ragen.config import ConfigError
+    from ragen.sft.config import load_sft_config
+
+    overrides = list(args.overrides)
+    yaml_path = None
+    if args.resume:
+        if args.data and "=" in args.data:  # ``ragen sft train --resume RUN_DIR key=value``
+            overrides.insert(0, args.data)
+        elif args.data:
+            return _fail("--resume takes the data file from the run's config.yaml; give only key=value overrides")
+        yaml_path = str(Path(args.resume) / "config.yaml")
+        if not Path(yaml_path).is_file():
+            return _fail(f"--resume {args.resume}: not a run directory (no config.yaml)")
+        overrides.append(f"trainer.output_dir={args.resume}")
+    elif not args.data:
+        return _fail("sft train needs a DATA file (JSONL from `ragen sft generate`) or --resume RUN_DIR")
+    else:
+        if "=" in args.data and not Path(args.data).exists():
+            return _fail(f"sft train: the first argument is the DATA file, got {args.data!r}")
+        overrides.insert(0, f"data.path={args.data}")
+    try:
+        config = load_sft_config(yaml_path, overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    _quiet()
+    from ragen.models import ModelLoadError
+    from ragen.sft.trainer import SFTTrainer
+
+    try:
+        trainer = SFTTrainer(config, resume=bool(args.resume))
+    except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc).splitlines()[0])
+    trainer.train()
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    _quiet()
+    from ragen.models import ModelLoadError
+    from ragen.sft.merge import merge_adapter
+
+    try:
+        info = merge_adapter(args.adapter, args.out)
+    except (ModelLoadError, OSError) as exc:
+        return _fail(str(exc).splitlines()[0])
+    print(f"[ragen sft] merged {info['adapter']} into base {info['base']}: {info['out']}")
+    return 0
+
+
+def add_sft_parser(sub) -> None:
+    """Add ``sft generate|train|merge`` to the ``ragen`` subparsers ``sub``."""
+    sft = sub.add_parser("sft", help="supervised fine-tuning: expert data, training, LoRA merge")
+    sft_sub = sft.add_subparsers(dest="sft_command", required=True)
+
+    gen = sft_sub.add_parser("generate", help="expert (or rejection-sampled) episodes as chat JSONL in the rollout's exact format")
+    gen.add_argument("env", nargs="?", help="env preset or YAML config, as for `ragen train` (its agent settings shape the chat)")
+    gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. agent.max_turn=5 seed=1")
+    gen.add_argument("--n", type=int, default=100, help="conversations to write (default 100)")
+    gen.add_argument("--out", required=True, help="output JSONL file")
+    gen.add_argument("--from-run", metavar="RUN_DIR", help="instead: successful episodes of a ragen train run's rollouts/*.jsonl")
+    gen.add_argument("--keep-failures", action="store_true", help="also write the expert's failed episodes")
+    gen.set_defaults(func=cmd_generate)
+
+    train = sft_sub.add_parser("train", help="fine-tune on a chat JSONL (loss on assistant tokens only)")
+    train.add_argument("data", nargs="?", help="JSONL file from `ragen sft generate`")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. lora.rank=16 trainer.max_steps=100")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
+    train.set_defaults(func=cmd_train)
+
+    merge = sft_sub.add_parser("merge", help="merge a LoRA adapter (or a LoRA run dir) into a standalone HF model dir")
+    merge.add_argument("adapter", metavar="RUN_DIR_OR_ADAPTER")
+    merge.add_argument("--out", required=True, help="output directory (loadable by transformers alone)")
+    merge.set_defaults(func=cmd_merge)
+
+
+__all__ = ["add_sft_parser"]

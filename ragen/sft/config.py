@@ -1,0 +1,136 @@
+"""The typed SFT configuration: one schema, validated at construction, like :mod:`ragen.config`.
+
+``load_sft_config(data, overrides)`` merges the schema's defaults, an optional YAML file
+(a previous run's ``config.yaml``) and ``key=value`` overrides. An unknown key or a value
+of the wrong type raises :class:`ragen.config.ConfigError` naming the key; the CLI prints
+it as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ragen.config import ConfigError, LoraConfig, _friendly
+
+
+@dataclass
+class SFTDataConfig:
+    #: JSONL file of chat records (``ragen sft generate``); set from the command line's DATA.
+    path: str = ""
+    #: Share of the conversations held out for the eval loss (at least one is held out).
+    eval_fraction: float = 0.05
+    #: At most this many held-out conversations.
+    eval_max: int = 64
+    #: Conversations longer than this many tokens are dropped (counted in ``summary.json``).
+    max_length: int = 2048
+    #: Train on the EOS that closes each assistant turn (when the template closes turns with it).
+    train_on_eos: bool = True
+
+
+@dataclass
+class SFTOptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    #: Linear warm-up steps.
+    warmup_steps: int = 10
+    #: "cosine" (decay to ``min_lr_ratio * lr`` at the last step) or "constant" (after warm-up).
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class SFTTrainerConfig:
+    #: Passes over the training split (ignored when ``max_steps > 0``).
+    epochs: int = 1
+    #: Optimizer steps (0 = ``epochs`` passes over the data).
+    max_steps: int = 0
+    #: Conversations per optimizer step.
+    batch_size: int = 16
+    #: Conversations per forward/backward pass (gradient accumulation inside a step).
+    micro_batch_size: int = 4
+    #: "bf16" (autocast, fp32 master weights) or "fp32".
+    precision: str = "bf16"
+    #: Eval loss every N steps (0 = only before training and at the end).
+    eval_freq: int = 0
+    #: Run directory; empty = ``runs/sft-<timestamp>``.
+    output_dir: str = ""
+    #: Checkpoint every N steps (0 = never; Ctrl-C always saves one); see ``ragen sft train --resume``.
+    save_freq: int = 0
+    keep_checkpoints: int = 2
+    #: Stop after this many seconds of training (0 = no limit); the final weights are saved as usual.
+    max_time_s: float = 0.0
+    #: Save the final weights (or LoRA adapter) and tokenizer to ``<output_dir>/final``.
+    save_final: bool = True
+    progress_bar: bool = True
+    #: torch threads (0 = torch's default).
+    num_threads: int = 0
+
+
+@dataclass
+class SFTConfig:
+    #: ``smollm2-135m`` (embedded default), ``tiny`` (tests), an HF model dir or a ragen run dir.
+    model: str = "smollm2-135m"
+    seed: int = 0
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    #: ``lora.rank=0`` fine-tunes every weight; ``> 0`` trains LoRA adapters (peft).
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+
+
+def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
+    """Defaults ← optional YAML ← ``key=value`` overrides, validated; returns an :class:`SFTConfig`."""
+    layers = []
+    if yaml_path:
+        if not Path(yaml_path).is_file():
+            raise ConfigError(f"config file not found: {yaml_path}")
+        layers.append(OmegaConf.load(yaml_path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(OmegaConf.structured(SFTConfig), *layers)
+        config: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_friendly(exc)) from None
+    validate(config)
+    return config
+
+
+def validate(config: SFTConfig) -> None:
+    """Cross-field checks that types alone cannot express (each names its key)."""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key {key!r}: {why}")
+
+    need(bool(config.data.path), "data.path", "no data file given")
+    need(Path(config.data.path).is_file(), "data.path", f"file not found: {config.data.path}")
+    need(0 < config.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")
+    need(config.data.eval_max >= 1, "data.eval_max", "must be >= 1")
+    need(config.data.max_length >= 2, "data.max_length", "must be >= 2")
+    need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(config.optim.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'")
+    need(0 <= config.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    need(config.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(config.trainer.epochs >= 1, "trainer.epochs", "must be >= 1")
+    need(config.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")
+    need(config.trainer.batch_size >= 1, "trainer.batch_size", "must be >= 1")
+    need(config.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+    need(config.trainer.precision in ("bf16", "fp32"), "trainer.precision", "must be 'bf16' or 'fp32'")
+    need(config.trainer.max_time_s >= 0, "trainer.max_time_s", "must be >= 0")
+    need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
+
+
+def to_yaml(config: SFTConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+__all__ = ["SFTConfig", "SFTDataConfig", "SFTOptimConfig", "SFTTrainerConfig", "load_sft_config", "validate", "to_yaml"]

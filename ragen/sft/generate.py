@@ -1,0 +1,229 @@
+"""SFT data: expert demonstrations, or successful rollouts of a trained policy, as chat JSONL.
+
+Each record is one episode in exactly the chat the agent sees at rollout
+(:func:`ragen.envs.agents.record_conversation` builds it with
+:class:`ragen.agent.context.PromptFormat`, the same wording as :class:`ragen.agent.Rollout`),
+one JSON object per line, in the ``messages`` format the ``datasets`` library and most SFT
+tools read::
+
+    {"messages": [{"role": "system", ...}, {"role": "user", ...}, {"role": "assistant", ...}, ...],
+     "env": "sokoban", "env_config": {...}, "seed": 17, "source": "expert", "success": true,
+     "reward": 10.7, "actions": [["Up", "Left"], ...], "plans": [["Up", "Left", "Down"], ...],
+     "agent": {...the run config's agent section...}}
+
+``actions`` are the actions answered each turn, ``plans`` the solver's whole plan at that
+turn (empty for rollout data), ``agent`` the settings the chat was built with (the SFT
+trainer reads ``response_prefix`` from it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+import ragen.envs
+from ragen.agent.parser import parse_response
+from ragen.agent.rollout import AgentSettings
+from ragen.config import RunConfig, load_config
+from ragen.envs.agents import Agent, ExpertAgent, record_conversation
+from ragen.sft.rationale import explain
+
+#: Seeds of generated data are drawn below this bound, like training seeds: validation seeds
+#: (``ragen.train.trainer.VAL_SEED_BASE`` and up) never appear in SFT data.
+SEED_BOUND = 2**31
+
+
+class PlanningExpert(ExpertAgent):
+    """:class:`ExpertAgent` that remembers the solver's whole plan of the last turn (for the rationale)."""
+
+    def __init__(self, max_actions_per_turn: int | None = None):
+        super().__init__(max_actions_per_turn)
+        self.last_plan: list[str] = []
+        self.plans: list[list[str]] = []
+
+    def begin_episode(self, env: Any, seed: int | None) -> None:
+        super().begin_episode(env, seed)
+        self.plans = []
+
+    def act(self, env: Any) -> list[str]:
+        self.last_plan = list(self.plan(env))
+        self.plans.append(self.last_plan)
+        actions = self.last_plan
+        if self.max_actions_per_turn is not None:
+            actions = actions[: max(1, self.max_actions_per_turn)]
+        return actions
+
+
+class ReplayAgent(Agent):
+    """Answers each turn with logged actions and carries that turn's logged ``<think>`` text."""
+
+    name = "replay"
+
+    def __init__(self, turns: list[tuple[str, list[str]]]):
+        self.turns = list(turns)  # (think, actions) per turn
+        self.index = 0
+        self.current_think = ""
+
+    def begin_episode(self, env: Any, seed: int | None) -> None:
+        self.index = 0
+
+    def act(self, env: Any) -> list[str]:
+        if self.index >= len(self.turns):  # the log ran out: an answer that ends the replay as invalid
+            self.current_think = ""
+            return []
+        self.current_think, actions = self.turns[self.index]
+        self.index += 1
+        return list(actions)
+
+
+def agent_settings(config: RunConfig) -> AgentSettings:
+    """The rollout's agent settings for ``config`` (as :class:`ragen.train.trainer.StarPOTrainer` builds them)."""
+    return AgentSettings(**asdict(config.agent))
+
+
+def turn_actions(messages: list[dict], settings: AgentSettings) -> list[list[str]]:
+    """The actions of every assistant turn, parsed back with the rollout's parser."""
+    out = []
+    for message in messages:
+        if message["role"] == "assistant":
+            parsed = parse_response(message["content"], enable_think=settings.enable_think,
+                                    max_actions=settings.max_actions_per_turn, action_sep=settings.action_sep)
+            out.append(parsed.actions)
+    return out
+
+
+def make_record(config: RunConfig, seed: int, episode: dict[str, Any], source: str, plans: list[list[str]]) -> dict[str, Any]:
+    """One JSONL record (see the module docstring) from a :func:`record_conversation` result."""
+    settings = agent_settings(config)
+    return {
+        "messages": episode["messages"],
+        "env": config.env.name,
+        "env_config": dict(config.env.config),
+        "seed": int(seed),
+        "source": source,
+        "success": bool(episode["success"]),
+        "reward": float(episode["reward"]),
+        "actions": turn_actions(episode["messages"], settings),
+        "plans": [list(p) for p in plans],
+        "agent": asdict(config.agent),
+    }
+
+
+def expert_records(config: RunConfig, n: int, *, keep_failures: bool = False, max_episodes: int | None = None,
+                   stats: dict | None = None) -> Iterator[dict]:
+    """Up to ``n`` expert episodes on distinct seeds drawn from ``config.seed``.
+
+    Failed episodes (the solver ran out of turns or actions, or slipped into a hole) are
+    skipped unless ``keep_failures``; at most ``max_episodes`` (default ``20 n``) are played.
+    ``stats``, if given, is updated with ``played`` and ``succeeded`` episode counts.
+    """
+    stats = stats if stats is not None else {}
+    stats.update(played=0, succeeded=0)
+    settings = agent_settings(config)
+    env = ragen.envs.make(config.env.name, **config.env.config)
+    expert = PlanningExpert(max_actions_per_turn=settings.max_actions_per_turn)
+
+    def think(env_: Any, actions: list[str]) -> str:
+        return explain(env_, expert.last_plan, actions)
+
+    rng = np.random.default_rng(config.seed)
+    seen: set[int] = set()
+    kept, played = 0, 0
+    limit = max_episodes if max_episodes is not None else 20 * n
+    while kept < n and played < limit:
+        seed = int(rng.integers(0, SEED_BOUND))
+        if seed in seen:
+            continue
+        seen.add(seed)
+        played += 1
+        episode = record_conversation(env, expert, seed=seed, settings=settings, think=think)
+        stats["played"] = played
+        stats["succeeded"] = stats["succeeded"] + int(episode["success"])
+        if episode["success"] or keep_failures:
+            kept += 1
+            yield make_record(config, seed, episode, "expert", expert.plans)
+
+
+def run_config(run_dir: str | Path) -> RunConfig:
+    """The resolved config a ``ragen train`` run dir was trained with."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
+    return load_config(str(path))
+
+
+def rollout_records(run_dir: str | Path, n: int = 0) -> Iterator[dict]:
+    """Rejection sampling: the successful, fully well-formed episodes logged in ``run_dir/rollouts/*.jsonl``.
+
+    Each logged episode is replayed in its env from its seed with the logged actions and
+    ``<think>`` texts, so the chat is rebuilt exactly as the rollout wrote it (replies in
+    the canonical ``<think>…</think><answer>a1 || a2</answer>`` spelling). An episode is
+    kept only if the replay succeeds again and every turn parsed; duplicates (same seed,
+    same replies, e.g. within a group) are kept once. ``n > 0`` caps the count.
+    """
+    config = run_config(run_dir)
+    settings = agent_settings(config)
+    env = ragen.envs.make(config.env.name, **config.env.config)
+    logs = sorted((Path(run_dir) / "rollouts").glob("*.jsonl"))
+    if not logs:
+        raise FileNotFoundError(f"{run_dir}: no rollouts/*.jsonl (set trainer.log_rollouts_freq / log_rollouts_n when training)")
+    seen: set[tuple] = set()
+    kept = 0
+    for log in logs:
+        for line in log.read_text().splitlines():
+            logged = json.loads(line)
+            if not logged.get("success") or logged.get("error") or not all(t["format_valid"] for t in logged["turns"]):
+                continue
+            turns = []
+            for t in logged["turns"]:
+                parsed = parse_response(t["response"], enable_think=settings.enable_think,
+                                        max_actions=settings.max_actions_per_turn, action_sep=settings.action_sep)
+                turns.append((parsed.think or "", parsed.actions))
+            key = (logged["seed"], tuple((think, tuple(actions)) for think, actions in turns))
+            if key in seen:
+                continue
+            agent = ReplayAgent(turns)
+            episode = record_conversation(env, agent, seed=logged["seed"], settings=settings,
+                                          think=lambda env_, actions: agent.current_think)
+            replies = sum(m["role"] == "assistant" for m in episode["messages"])
+            if not episode["success"] or replies != len(turns):
+                continue
+            seen.add(key)
+            kept += 1
+            yield make_record(config, logged["seed"], episode, f"rollout:{log.parent.parent.name}/{log.stem}", [])
+            if n and kept >= n:
+                return
+
+
+def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
+    """Write ``records`` one JSON object per line (UTF-8); return how many were written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file (blank lines skipped); ``ValueError`` naming the line if one is not JSON."""
+    records = []
+    with Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    return records
+
+
+__all__ = ["PlanningExpert", "ReplayAgent", "expert_records", "rollout_records", "make_record", "write_jsonl", "read_jsonl",
+           "agent_settings", "turn_actions", "run_config", "SEED_BOUND"]

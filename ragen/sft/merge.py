@@ -1,0 +1,44 @@
+"""Merge a LoRA adapter into its base model: a standalone Hugging Face model directory.
+
+``W' = W + (alpha / r) · B A`` for every adapted weight (peft's ``merge_and_unload``, Hu et
+al. 2021, eq. 3), written with ``save_pretrained`` (safetensors) next to the tokenizer, so
+``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
+load it without ragen or peft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ragen.models.loading import ModelLoadError, adapter_base, resolve_model_path
+
+
+def merge_adapter(spec: str | Path, out: str | Path) -> dict:
+    """Merge the adapter at ``spec`` (an adapter dir, or a run dir whose ``final/`` is one) into ``out``.
+
+    Returns ``{"adapter", "base", "out"}``. Raises :class:`ModelLoadError` if ``spec`` is not
+    a LoRA adapter (a fully fine-tuned run is already a standalone model: use its ``final/``)
+    or ``out`` already holds a model.
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from ragen.models.loading import load_model
+
+    path = resolve_model_path(str(spec))
+    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        raise ModelLoadError(f"{spec}: not a LoRA adapter (no adapter_config.json); a full fine-tune's {path} is already a standalone model")
+    out = Path(out)
+    if (out / "config.json").is_file():
+        raise ModelLoadError(f"--out {out} already holds a model (config.json); choose another directory")
+    base_spec, base_seed = adapter_base(path)
+    base, _ = load_model(base_spec, seed=base_seed)
+    merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return {"adapter": str(path), "base": base_spec, "out": str(out)}
+
+
+__all__ = ["merge_adapter"]

@@ -1,0 +1,238 @@
+"""Supervised fine-tuning on chat demonstrations: next-token cross-entropy on the assistant's tokens only.
+
+The loss of one optimizer step is the token mean over every assistant token of its
+conversations (the mask of :mod:`ragen.sft.masking`, the rollout's own):
+
+    L(θ) = − Σ_{b,t} m_{b,t} log π_θ(x_{b,t+1} | x_{b,≤t}) / Σ_{b,t} m_{b,t}
+
+accumulated over micro-batches with each weighted by its share of the step's tokens, so
+accumulation equals one big pass. The LM head runs only where ``m = 1``
+(:func:`ragen.train.logprobs.policy_forward`). A run directory looks like an RL run's:
+``config.yaml``, ``metrics.jsonl`` (``train/*`` per step, ``eval/loss`` at step 0, every
+``eval_freq`` steps and at the end), ``summary.json``, ``checkpoints/`` (the atomic format of
+:mod:`ragen.train.checkpoint`, resumable) and ``final/`` (weights or LoRA adapter naming
+its base, plus the tokenizer), loadable with ``model=RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ragen.models import apply_lora, autocast, load_model
+from ragen.sft.config import SFTConfig, to_yaml
+from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
+from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
+from ragen.train.logprobs import policy_forward
+from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float):
+    """LR multiplier of optimizer step ``s`` (0-based): linear warm-up, then constant or cosine to ``min_lr_ratio``."""
+
+    def factor(s: int) -> float:
+        if warmup_steps > 0 and s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress_ = min(1.0, (s - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
+
+    return factor
+
+
+class SFTTrainer:
+    def __init__(self, config: SFTConfig, resume: bool = False):
+        self.config = config
+        t = config.trainer
+        if t.num_threads > 0:
+            torch.set_num_threads(t.num_threads)
+        seed_everything(config.seed)
+        self.seed_rng = np.random.default_rng(config.seed)  # checkpointed with the other RNGs
+        self.model, self.tokenizer = load_model(config.model, seed=config.seed)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        d = config.data
+        self.data = load_dataset(d.path, self.tokenizer, eval_fraction=d.eval_fraction, eval_max=d.eval_max,
+                                 max_length=d.max_length, seed=config.seed, train_on_eos=d.train_on_eos)
+        if not self.data.train:
+            raise ValueError(f"{d.path}: nothing left to train on after the eval split")
+        if config.lora.rank > 0:
+            self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
+        per_step = min(t.batch_size, len(self.data.train))
+        self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=config.optim.lr,
+                                           betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay)
+        o = config.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.warmup_steps, self.total_steps, o.schedule, o.min_lr_ratio))
+        self.start_step = 0
+        self.run_dir = self._make_run_dir(resume)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        if resume:
+            self._resume()
+
+    # ================================ the algorithm ===================================
+
+    def train(self) -> dict:
+        cfg = self.config.trainer
+        start = time.perf_counter()
+        summary: dict = {"run_dir": str(self.run_dir), "train_conversations": len(self.data.train),
+                         "eval_conversations": len(self.data.eval), "dropped_too_long": self.data.dropped_too_long,
+                         "total_steps": self.total_steps}
+        if self.start_step == 0:
+            before = self.evaluate()
+            summary["eval_before"] = before
+            self.log({"step": 0, **before})
+            print(f"[ragen sft] {len(self.data.train)} train / {len(self.data.eval)} eval conversations, "
+                  f"{self.total_steps} steps; eval loss before: {before.get('eval/loss', float('nan')):.4f}", flush=True)
+        interrupt = GracefulInterrupt()
+        bar = progress(self.total_steps, enabled=cfg.progress_bar, initial=self.start_step)
+        step = self.start_step
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            t0 = time.perf_counter()
+            metrics = self.optimizer_step(step_examples(self.data.train, cfg.batch_size, self.config.seed, step))
+            metrics.update({"step": step, "time/step_s": time.perf_counter() - t0,
+                            "train/epoch": step * min(cfg.batch_size, len(self.data.train)) / len(self.data.train)})
+            out_of_time = cfg.max_time_s > 0 and time.perf_counter() - start >= cfg.max_time_s
+            last = step == self.total_steps or out_of_time or interrupt.requested
+            if last or (cfg.eval_freq and step % cfg.eval_freq == 0):
+                metrics.update(self.evaluate())
+            self.log(metrics)
+            if (cfg.save_freq and step % cfg.save_freq == 0) or interrupt.requested:
+                self.save_checkpoint(step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+            if interrupt.requested:
+                bar.close()
+                interrupt.restore()
+                print(f"\n[ragen sft] interrupted: checkpoint of step {step} saved; continue with "
+                      f"`ragen sft train --resume {self.run_dir}`", flush=True)
+                summary["interrupted_at_step"] = step
+                return summary
+            if out_of_time:
+                bar.write(f"[ragen sft] trainer.max_time_s={cfg.max_time_s:g} reached at step {step}: stopping")
+                summary["stopped_at_step"] = step
+                break
+        interrupt.restore()
+        bar.close()
+        after = self.evaluate()
+        summary.update({"eval_after": after, "steps_done": step})
+        if cfg.save_final:
+            self.save(self.run_dir / "final")
+        summary["wall_time_s"] = time.perf_counter() - start
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"[ragen sft] eval loss after: {after.get('eval/loss', float('nan')):.4f}  run dir: {self.run_dir}  "
+              f"({summary['wall_time_s']:.0f} s)", flush=True)
+        return summary
+
+    def optimizer_step(self, examples) -> dict[str, float]:
+        """One AdamW step on ``examples`` with gradient accumulation over length-sorted micro-batches."""
+        cfg = self.config
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        examples = sorted(examples, key=len)  # less padding per micro-batch
+        total_tokens = max(1, sum(e.num_trained for e in examples))
+        loss_sum = 0.0
+        for start in range(0, len(examples), cfg.trainer.micro_batch_size):
+            batch = collate(examples[start : start + cfg.trainer.micro_batch_size], self.pad_id)
+            nll_sum = self.nll_sum(batch)  # scalar: summed NLL of the micro-batch's assistant tokens
+            (nll_sum / total_tokens).backward()
+            loss_sum += float(nll_sum.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), cfg.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"train/loss": loss_sum / total_tokens, "train/tokens": float(total_tokens), "train/conversations": float(len(examples)),
+                "train/grad_norm": float(grad_norm), "train/lr": lr}
+
+    def nll_sum(self, batch: SFTBatch) -> torch.Tensor:
+        """Σ over assistant targets of −log π(target), a scalar (bf16 autocast, fp32 log-softmax)."""
+        with autocast(self.config.trainer.precision):
+            out = policy_forward(self.model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+        return -(out.logprobs * batch.loss_mask).sum()  # (B, T) -> ()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Token-mean NLL of the held-out conversations' assistant tokens (``eval/loss``) and its exp."""
+        if not self.data.eval:
+            return {}
+        self.model.eval()
+        total, tokens = 0.0, 0
+        examples = sorted(self.data.eval, key=len)
+        for start in range(0, len(examples), self.config.trainer.micro_batch_size):
+            batch = collate(examples[start : start + self.config.trainer.micro_batch_size], self.pad_id)
+            total += float(self.nll_sum(batch))
+            tokens += int(batch.loss_mask.sum())
+        loss = total / max(1, tokens)
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ================================ plumbing ========================================
+
+    def log(self, metrics: dict) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+    def save(self, path: Path) -> None:
+        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        adapter_config = path / "adapter_config.json"
+        if adapter_config.is_file():  # the base is our model spec (e.g. smollm2-135m), loadable by load_model
+            data = json.loads(adapter_config.read_text())
+            data["base_model_name_or_path"] = self.config.model
+            adapter_config.write_text(json.dumps(data, indent=2))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self, step: int) -> Path:
+        return save_checkpoint(self.run_dir, step, self.checkpoint_tensors(), self.optimizer, self.scheduler,
+                               self.seed_rng, extra={"kind": "sft"}, keep=self.config.trainer.keep_checkpoints)
+
+    def _resume(self) -> None:
+        found = latest_checkpoint(self.run_dir)
+        if found is None:
+            raise FileNotFoundError(f"no valid checkpoint under {self.run_dir / 'checkpoints'} to resume from")
+        path, ckpt = found
+        named = self.checkpoint_tensors()
+        missing = set(named) - set(ckpt["params"])
+        if missing:
+            raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(ckpt["params"][name])
+        restore_optimizer(self.optimizer, named, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
+        self.scheduler.load_state_dict(ckpt["state"]["scheduler"])
+        restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], self.seed_rng)
+        self.start_step = ckpt["state"]["step"]
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.start_step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
+
+    def _make_run_dir(self, resume: bool) -> Path:
+        out = self.config.trainer.output_dir
+        if not out:
+            out = f"runs/sft-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+            self.config.trainer.output_dir = out
+        path = Path(out)
+        if resume:
+            return path
+        if (path / "metrics.jsonl").exists():
+            raise FileExistsError(f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+__all__ = ["SFTTrainer", "lr_lambda"]

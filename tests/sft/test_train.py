@@ -1,0 +1,125 @@
+"""Real tiny-model SFT runs through the CLI: the loss falls, run dirs load as models, LoRA merges exactly, resume is exact."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ragen.cli import main
+from ragen.models import load_model
+
+FAST = ["model=tiny", "trainer.progress_bar=false", "trainer.batch_size=4", "trainer.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    # Bandit answers are short: the LM head over a 49k vocabulary is most of a tiny model's cost.
+    path = tmp_path_factory.mktemp("sft") / "bandit.jsonl"
+    assert main(["sft", "generate", "bandit", "--n", "12", "--out", str(path)]) == 0
+    return path
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_full_finetune_lowers_the_loss_and_rl_continues_from_it(data, tmp_path):
+    run = tmp_path / "sft"
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=8", "optim.lr=1e-2", "optim.warmup_steps=0",
+                 "trainer.save_freq=4", f"trainer.output_dir={run}"]) == 0
+    lines = metrics(run)
+    assert [line["step"] for line in lines] == list(range(9))
+    before, after = lines[0]["eval/loss"], lines[-1]["eval/loss"]
+    assert after < 0.7 * before, (before, after)  # random init: ~ln(49152) = 10.8 nats per token
+    assert lines[-1]["train/loss"] < lines[1]["train/loss"]
+    assert all(line["train/tokens"] > 0 and line["train/grad_norm"] > 0 for line in lines[1:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval_conversations"] == 1 and summary["train_conversations"] == 11
+    assert (run / "checkpoints" / "step_000008" / "COMPLETE").is_file()
+    assert (run / "final" / "config.json").is_file() and (run / "final" / "tokenizer.json").is_file()
+    assert "model: tiny" in (run / "config.yaml").read_text()
+
+    # RL continues from the SFT result: `ragen train ... model=SFT_RUN_DIR`.
+    model, _ = load_model(str(run))
+    trained = load_file(run / "final" / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(model.state_dict()[name], trained[name])
+    rl = tmp_path / "rl"
+    assert main(["train", "bandit", f"model={run}", "trainer.total_steps=1", f"trainer.output_dir={rl}",
+                 "rollout.env_groups=1", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "trainer.val_episodes=1", "trainer.progress_bar=false", "trainer.plot=false"]) == 0
+    assert (rl / "final" / "model.safetensors").is_file()
+
+
+def test_lora_merge_gives_the_adapter_model_logits(data, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "lora"
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=3", "lora.rank=8", "lora.alpha=16",
+                 "optim.lr=1e-2", "optim.warmup_steps=0", f"trainer.output_dir={run}"]) == 0
+    adapter = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "tiny"
+    out = tmp_path / "merged"
+    assert main(["sft", "merge", str(run), "--out", str(out)]) == 0
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers alone, no ragen, no peft
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    base, _ = load_model("tiny")
+    base_logits_model, _ = load_model("tiny")
+    with_adapter = PeftModel.from_pretrained(base, run / "final").eval()  # unmerged: base + B A on the fly
+    ids = tokenizer("<think>The box is 1 row below the target.</think><answer>Up</answer>", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = with_adapter(ids).logits  # (1, L, V)
+        got = merged(ids).logits
+        untouched = base_logits_model(ids).logits
+    assert (expected - untouched).abs().max() > 1e-3  # the adapter really changes the model ...
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # ... and the merge keeps that change exactly
+    # The run dir itself loads as a model (adapter merged on its base on the fly).
+    model, _ = load_model(str(run))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_continues_exactly(data, tmp_path):
+    common = [str(data), *FAST, "trainer.precision=fp32", "optim.schedule=constant", "optim.warmup_steps=1",
+              "optim.lr=1e-3", "trainer.save_freq=2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["sft", "train", *common, "trainer.max_steps=4", f"trainer.output_dir={straight}"]) == 0
+    assert main(["sft", "train", *common, "trainer.max_steps=2", f"trainer.output_dir={split}"]) == 0
+    assert main(["sft", "train", "--resume", str(split), "trainer.max_steps=4"]) == 0
+    a = load_file(straight / "final" / "model.safetensors")
+    b = load_file(split / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [line["step"] for line in metrics(split)] == [0, 1, 2, 3, 4]
+    losses = lambda run: [line["train/loss"] for line in metrics(run)[1:]]  # noqa: E731
+    assert losses(split) == losses(straight)
+
+
+@pytest.mark.parametrize("args,key", [
+    (["trainer.nope=1"], "trainer.nope"),
+    (["trainer.max_steps=abc"], "trainer.max_steps"),
+    (["data.eval_fraction=2"], "data.eval_fraction"),
+    (["optim.schedule=linear"], "optim.schedule"),
+])
+def test_bad_train_config_is_one_line_and_exit_2(data, args, key, capsys, tmp_path):
+    assert main(["sft", "train", str(data), "model=tiny", f"trainer.output_dir={tmp_path}", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and err.startswith("ragen: error:")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["sft", "train", "missing.jsonl", "model=tiny"], "data.path"),
+    (["sft", "generate", "sokoban", "agent.bogus=1", "--out", "x.jsonl"], "agent.bogus"),
+    (["sft", "generate", "sokoban", "--n", "0", "--out", "x.jsonl"], "--n"),
+    (["sft", "merge", "tiny", "--out", "merged"], "not a"),
+])
+def test_other_mistakes_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+    assert not (tmp_path / "x.jsonl").exists()
