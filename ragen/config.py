@@ -8,9 +8,9 @@ one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -48,6 +48,61 @@ class AgentConfig:
     format_penalty: float = -0.1
     system_prompt: str = "You're a helpful assistant."
     action_sep: str = "||"
+    #: Shaped reward per turn for a well-formed answer with a non-empty ``<think>`` (0 = off; needs enable_think).
+    think_reward: float = 0.0
+    #: Shaped reward per turn whose ``<prediction>`` (inside ``<think>``) equals the env's next
+    #: observation exactly (VAGEN's world modelling; 0 = off; when on the prompt asks for it).
+    prediction_reward: float = 0.0
+
+
+@dataclass
+class EnvTagConfig:
+    """A user-defined env tag (``es.tags.NAME``); see ``ragen/envs/tags.py`` for the presets."""
+
+    #: Registered env name (see ``ragen envs``).
+    env: str = ""
+    #: Keyword config passed to the env's constructor.
+    config: dict[str, Any] = field(default_factory=dict)
+    #: Replaces the env's own instructions in the first prompt ("" = keep the env's).
+    instructions: str = ""
+    #: Replaces ``agent.system_prompt`` for this tag (null = keep it).
+    system_prompt: Optional[str] = None
+    #: Per-tag horizon; null = the ``agent`` section's value.
+    max_turn: Optional[int] = None
+    max_actions_per_turn: Optional[int] = None
+    max_actions_per_traj: Optional[int] = None
+
+
+@dataclass
+class TrainTagConfig:
+    """One entry of ``es.train``: ``groups`` env groups (of ``rollout.group_size``) of tag ``tag``."""
+
+    tag: str = ""
+    groups: int = 1
+
+
+@dataclass
+class ValTagConfig:
+    """One entry of ``es.val``: ``episodes`` held-out episodes of tag ``tag``."""
+
+    tag: str = ""
+    episodes: int = 64
+
+
+@dataclass
+class EnvSetsConfig:
+    """Mixed-env training and per-tag validation (RAGEN's env tags; ``docs/env_tags.md``).
+
+    Empty ``train`` = the single env of ``env`` with ``rollout.env_groups`` groups; empty
+    ``val`` = every training tag with ``trainer.val_episodes`` episodes.
+    """
+
+    #: Your own tags by name (they replace a preset of the same name).
+    tags: dict[str, EnvTagConfig] = field(default_factory=dict)
+    #: Training mix: ``[{tag: SimpleSokoban, groups: 4}, {tag: FrozenLake, groups: 4}]``.
+    train: list[TrainTagConfig] = field(default_factory=list)
+    #: Validation sets: ``[{tag: Bandit, episodes: 64}, {tag: BanditTest, episodes: 64}]``.
+    val: list[ValTagConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +231,8 @@ class RunConfig:
     model: str = "smollm2-135m"
     seed: int = 0
     env: EnvConfig = field(default_factory=EnvConfig)
+    #: Env tags: mixed training batches and several validation sets (overrides ``env`` when set).
+    es: EnvSetsConfig = field(default_factory=EnvSetsConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -246,6 +303,39 @@ def validate(config: RunConfig) -> None:
         "algorithm.loss_agg_mode",
         "must be token-mean, seq-mean-token-mean or seq-mean-token-sum",
     )
+    for key in ("think_reward", "prediction_reward"):
+        need(getattr(config.agent, key) == 0 or config.agent.enable_think, f"agent.{key}",
+             "needs agent.enable_think=true (it rewards what the model writes inside <think>)")
+    validate_env_sets(config)
+
+
+def validate_env_sets(config: RunConfig) -> None:
+    """Every tag the run defines or uses must resolve (its env exists and accepts its config)."""
+    from ragen.envs.tags import TagError, resolve_tag
+
+    es = config.es
+    for i, entry in enumerate(es.train):
+        if entry.groups < 1:
+            raise ConfigError(f"config key 'es.train[{i}].groups': must be >= 1 (tag {entry.tag!r})")
+    for i, entry in enumerate(es.val):
+        if entry.episodes < 1:
+            raise ConfigError(f"config key 'es.val[{i}].episodes': must be >= 1 (tag {entry.tag!r})")
+    for key, entries in (("es.train", es.train), ("es.val", es.val)):
+        names = [e.tag for e in entries]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"config key {key!r}: env tag {repeated[0]!r} is listed twice (give it one entry)")
+    user_tags = user_tag_dicts(config)
+    try:
+        for name in sorted(set(user_tags) | {e.tag for e in es.train} | {e.tag for e in es.val}):
+            resolve_tag(name, user_tags)
+    except TagError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def user_tag_dicts(config: RunConfig) -> dict[str, dict[str, Any]]:
+    """``es.tags`` as plain dicts (the form :func:`ragen.envs.tags.resolve_tag` takes)."""
+    return {name: asdict(tag) if is_dataclass(tag) else dict(tag) for name, tag in config.es.tags.items()}
 
 
 #: Keys that may change on ``--resume`` without changing the results of the steps already run.

@@ -79,9 +79,13 @@ class PromptFormat:
     enable_think: bool = True
     max_actions_per_turn: int = 1
     action_sep: str = "||"
+    #: Ask for ``<prediction>next state</prediction>`` inside ``<think>`` (the world-modelling reward).
+    predict_state: bool = False
 
     def format_instruction(self) -> str:
-        if self.enable_think:
+        if self.enable_think and self.predict_state:
+            shape = "<think>...<prediction>...</prediction></think><answer>...</answer>"
+        elif self.enable_think:
             shape = "<think>...</think><answer>...</answer>"
         else:
             shape = "<answer>...</answer>"
@@ -90,7 +94,12 @@ class PromptFormat:
             if self.max_actions_per_turn > 1
             else ""
         )
-        return f"Answer format: {shape}{many}"
+        predict = (
+            " In <prediction> write the state you expect after your actions, exactly as the state is shown."
+            if self.enable_think and self.predict_state
+            else ""
+        )
+        return f"Answer format: {shape}{many}{predict}"
 
     def first_user_message(self, instructions: str, observation: str, turn: int, actions_left: int | None) -> str:
         return f"{instructions}\n{self.format_instruction()}\n\n{self.turn_text(observation, turn, actions_left)}"

@@ -5,6 +5,10 @@ backend in one batch; each reply is parsed, its actions are stepped in the env, 
 env's answer is appended to the sequence. An unparsable reply costs ``format_penalty``
 and leaves the env unchanged; an env that raises ends that episode with ``error`` set
 (reported, excluded from the update), never the run.
+
+Episodes of one batch may come from different env tags: each carries its own
+:class:`AgentSettings` (horizon, prompt, format), so a 1-turn Bandit episode finishes while
+a 5-turn Sokoban episode of the same batch keeps playing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Sequence
 import gymnasium as gym
 
 from ragen.agent.context import ChatTokens, PromptFormat
-from ragen.agent.parser import parse_response
+from ragen.agent.parser import ParsedResponse, parse_response
+from ragen.agent.rewards import extract_prediction, prediction_matches, think_is_well_formed
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.models.backend import SamplingParams
 
@@ -33,6 +38,25 @@ class AgentSettings:
     format_penalty: float = -0.1
     system_prompt: str = "You're a helpful assistant."
     action_sep: str = "||"
+    #: Replaces the env's own instructions in the first prompt ("" = the env's); set by env tags.
+    instructions: str = ""
+    #: Shaped reward for a well-formed turn with a non-empty ``<think>`` (0 = off).
+    think_reward: float = 0.0
+    #: Shaped reward for a ``<prediction>`` equal to the env's next observation (0 = off; when on,
+    #: the prompt asks for one inside ``<think>``).
+    prediction_reward: float = 0.0
+
+
+class _Protocol:
+    """What one :class:`AgentSettings` implies for prompts: its wording and its response prefix ids."""
+
+    def __init__(self, settings: AgentSettings, chat: ChatTokens):
+        self.settings = settings
+        self.format = PromptFormat(
+            settings.enable_think, settings.max_actions_per_turn, settings.action_sep,
+            predict_state=settings.prediction_reward != 0,
+        )
+        self.prefix_ids = chat.encode(settings.response_prefix)
 
 
 @dataclass
@@ -41,12 +65,21 @@ class _Episode:
     traj: Trajectory
     messages: list[dict]
     actions_left: int | None
+    protocol: _Protocol
     #: The env's latest observation text (repeated after an invalid answer).
     observation: str = ""
 
+    @property
+    def settings(self) -> AgentSettings:
+        return self.protocol.settings
+
 
 class Rollout:
-    """Plays episodes for a batch of envs with one backend and one chat template."""
+    """Plays episodes for a batch of envs with one backend and one chat template.
+
+    ``settings`` is the default for every episode; :meth:`run` may give each env its own
+    (mixed env tags).
+    """
 
     def __init__(self, backend, tokenizer, settings: AgentSettings, sampling: SamplingParams):
         self.backend = backend
@@ -54,13 +87,44 @@ class Rollout:
         self.tokenizer = tokenizer
         self.settings = settings
         self.sampling = sampling
-        self.format = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
-        self.prefix_ids = self.chat.encode(settings.response_prefix)
+        self._protocols: dict[int, _Protocol] = {}
+        default = self._protocol(settings)
+        self.format, self.prefix_ids = default.format, default.prefix_ids
 
-    def run(self, envs: Sequence[gym.Env], seeds: Sequence[int], group_ids: Sequence[int], env_name: str) -> list[Trajectory]:
-        """Reset ``envs[i]`` with ``seeds[i]`` and play until every episode ends or ``max_turn``."""
-        episodes = [self._start(env, seed, gid, env_name) for env, seed, gid in zip(envs, seeds, group_ids)]
-        for turn in range(1, self.settings.max_turn + 1):
+    def _protocol(self, settings: AgentSettings) -> _Protocol:
+        """One :class:`_Protocol` per distinct settings object (prefix ids are encoded once)."""
+        key = id(settings)
+        if key not in self._protocols or self._protocols[key].settings is not settings:
+            self._protocols[key] = _Protocol(settings, self.chat)
+        return self._protocols[key]
+
+    def run(
+        self,
+        envs: Sequence[gym.Env],
+        seeds: Sequence[int],
+        group_ids: Sequence[int],
+        env_name: str | Sequence[str],
+        *,
+        settings: Sequence[AgentSettings] | None = None,
+        tags: Sequence[str] | None = None,
+    ) -> list[Trajectory]:
+        """Reset ``envs[i]`` with ``seeds[i]`` and play until every episode ends or reaches its ``max_turn``.
+
+        ``env_name`` names every env (one string) or each one; ``settings[i]`` (default: the
+        rollout's) and ``tags[i]`` (default: the env name) belong to ``envs[i]``. Episodes with
+        different horizons share each turn's batched ``generate`` call while they last.
+        """
+        n = len(envs)
+        names = [env_name] * n if isinstance(env_name, str) else list(env_name)
+        per_env = list(settings) if settings is not None else [self.settings] * n
+        tag_names = list(tags) if tags is not None else names
+        if not len(names) == len(per_env) == len(tag_names) == len(seeds) == len(group_ids) == n:
+            raise ValueError("Rollout.run: envs, seeds, group_ids, env names, settings and tags must have one entry per env")
+        episodes = [
+            self._start(env, seed, gid, name, self._protocol(s), tag)
+            for env, seed, gid, name, s, tag in zip(envs, seeds, group_ids, names, per_env, tag_names)
+        ]
+        while True:
             active = [ep for ep in episodes if not ep.traj.done]
             if not active:
                 break
@@ -70,38 +134,41 @@ class Rollout:
             else:
                 generations = self.backend.generate(prompts, self.sampling)
             for ep, gen in zip(active, generations):
-                self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=turn == self.settings.max_turn)
+                last_turn = len(ep.traj.turns) + 1 >= ep.settings.max_turn
+                self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
         return [ep.traj for ep in episodes]
 
     # -- one episode -------------------------------------------------------------------
 
-    def _start(self, env: gym.Env, seed: int, group_id: int, env_name: str) -> _Episode:
-        traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed)
+    def _start(self, env: gym.Env, seed: int, group_id: int, env_name: str, protocol: _Protocol, tag: str) -> _Episode:
+        settings = protocol.settings
+        traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed, tag=tag)
         try:
             observation, _ = env.reset(seed=seed)
         except Exception as exc:  # an env bug must not kill the run
             traj.error, traj.done = f"reset raised {exc!r}\n{traceback.format_exc(limit=3)}", True
-            return _Episode(env, traj, [], None)
-        limit = self.settings.max_actions_per_traj
+            return _Episode(env, traj, [], None, protocol)
+        limit = settings.max_actions_per_traj
         actions_left = limit if limit > 0 else None
-        user = self.format.first_user_message(env.unwrapped.instructions, observation, 1, actions_left)
-        messages = ([{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else [])
+        instructions = settings.instructions or env.unwrapped.instructions
+        user = protocol.format.first_user_message(instructions, observation, 1, actions_left)
+        messages = ([{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else [])
         messages.append({"role": "user", "content": user})
         traj.initial_observation = observation
-        self._append(traj, self.chat.prompt_ids(messages) + self.prefix_ids, model_wrote=False)
-        return _Episode(env, traj, messages, actions_left, observation)
+        self._append(traj, self.chat.prompt_ids(messages) + protocol.prefix_ids, model_wrote=False)
+        return _Episode(env, traj, messages, actions_left, protocol, observation)
 
     def _take_turn(self, ep: _Episode, token_ids: list[int], finish_reason: str, last_turn: bool) -> None:
-        traj = ep.traj
+        traj, settings = ep.traj, ep.settings
         start = len(traj.input_ids)
         self._append(traj, token_ids, model_wrote=True)
         traj.turn_spans.append((start, len(traj.input_ids)))
-        text = self.settings.response_prefix + self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = settings.response_prefix + self.tokenizer.decode(token_ids, skip_special_tokens=True)
         parsed = parse_response(
             text,
-            enable_think=self.settings.enable_think,
-            max_actions=self.settings.max_actions_per_turn,
-            action_sep=self.settings.action_sep,
+            enable_think=settings.enable_think,
+            max_actions=settings.max_actions_per_turn,
+            action_sep=settings.action_sep,
         )
         env = ep.env.unwrapped
         action_ids = [env.parse_action(a) for a in parsed.actions]
@@ -115,10 +182,12 @@ class Rollout:
         if parsed.format_valid:
             ep.observation = self._step(ep, action_ids, turn)
         else:
-            turn.format_penalty = self.settings.format_penalty
+            turn.format_penalty = settings.format_penalty
             turn.info["format_error"] = parsed.error
             feedback = f"Your answer was invalid ({parsed.error}); the state did not change."
         observation = turn.observation = ep.observation
+        if not traj.error:
+            self._shape(turn, parsed, settings)
         traj.turns.append(turn)
         if ep.actions_left is not None and ep.actions_left <= 0:
             traj.done = True
@@ -128,9 +197,11 @@ class Rollout:
             return
         next_user = {
             "role": "user",
-            "content": self.format.next_user_message(turn.reward, observation, len(traj.turns) + 1, ep.actions_left, feedback),
+            "content": ep.protocol.format.next_user_message(
+                turn.task_reward, observation, len(traj.turns) + 1, ep.actions_left, feedback
+            ),
         }
-        ids = self.chat.next_turn_ids(ep.messages, next_user, finish_reason) + self.prefix_ids
+        ids = self.chat.next_turn_ids(ep.messages, next_user, finish_reason) + ep.protocol.prefix_ids
         ep.messages += [{"role": "assistant", "content": text}, next_user]
         self._append(traj, ids, model_wrote=False)
 
@@ -144,6 +215,8 @@ class Rollout:
                 traj.error, traj.done = f"step raised {exc!r}\n{traceback.format_exc(limit=3)}", True
                 return observation
             turn.env_reward += float(reward)
+            turn.actions_executed += 1
+            turn.actions_effective += int(bool(info.get("action_is_effective", True)))
             turn.info.update({k: v for k, v in info.items() if isinstance(v, (bool, int, float, str))})
             traj.success = bool(info.get("success", False))
             if ep.actions_left is not None:
@@ -152,6 +225,19 @@ class Rollout:
                 traj.done = True
                 break
         return observation
+
+    @staticmethod
+    def _shape(turn: Turn, parsed: ParsedResponse, settings: AgentSettings) -> None:
+        """Add the shaped reasoning rewards (:mod:`ragen.agent.rewards`) to a finished turn.
+
+        Only a valid answer can earn them; the prediction is compared with the observation
+        the env returned after this turn's actions (``turn.observation``).
+        """
+        if settings.think_reward and think_is_well_formed(parsed.format_valid, parsed.think):
+            turn.think_reward = settings.think_reward
+        if settings.prediction_reward and parsed.format_valid:
+            turn.prediction_correct = prediction_matches(extract_prediction(parsed.think), turn.observation)
+            turn.prediction_reward = settings.prediction_reward if turn.prediction_correct else 0.0
 
     @staticmethod
     def _append(traj: Trajectory, ids: list[int], model_wrote: bool) -> None:

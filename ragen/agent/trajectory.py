@@ -17,10 +17,24 @@ class Turn:
     format_penalty: float
     observation: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    #: Shaped reasoning rewards (``agent.think_reward``, ``agent.prediction_reward``); never part of success.
+    think_reward: float = 0.0
+    prediction_reward: float = 0.0
+    #: Whether the turn's ``<prediction>`` equalled the next observation (None: not asked or not scored).
+    prediction_correct: bool | None = None
+    #: Actions the env executed this turn, and how many of them changed its state.
+    actions_executed: int = 0
+    actions_effective: int = 0
+
+    @property
+    def task_reward(self) -> float:
+        """What the task paid: env reward plus format penalty."""
+        return self.env_reward + self.format_penalty
 
     @property
     def reward(self) -> float:
-        return self.env_reward + self.format_penalty
+        """The training reward: the task reward plus the shaped reasoning rewards."""
+        return self.task_reward + self.think_reward + self.prediction_reward
 
 
 @dataclass
@@ -34,6 +48,8 @@ class Trajectory:
     env_name: str
     group_id: int
     seed: int
+    #: The env tag the episode was played under (``env_name`` when the run uses no tags).
+    tag: str = ""
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
@@ -48,8 +64,13 @@ class Trajectory:
 
     @property
     def reward(self) -> float:
-        """Episode return: env rewards plus format penalties."""
+        """Training return: env rewards, format penalties and any shaped reasoning rewards."""
         return sum(t.reward for t in self.turns)
+
+    @property
+    def task_reward(self) -> float:
+        """Task return: env rewards plus format penalties, without reasoning-reward shaping."""
+        return sum(t.task_reward for t in self.turns)
 
     @property
     def num_actions(self) -> int:
@@ -62,9 +83,11 @@ class Trajectory:
     def to_json(self) -> dict[str, Any]:
         return {
             "env": self.env_name,
+            "tag": self.tag or self.env_name,
             "group_id": self.group_id,
             "seed": self.seed,
             "reward": self.reward,
+            "task_reward": self.task_reward,
             "success": self.success,
             "error": self.error,
             "initial_observation": self.initial_observation,
@@ -75,6 +98,8 @@ class Trajectory:
                     "format_valid": t.format_valid,
                     "env_reward": t.env_reward,
                     "format_penalty": t.format_penalty,
+                    "think_reward": t.think_reward,
+                    "prediction_reward": t.prediction_reward,
                     "observation": t.observation,
                 }
                 for t in self.turns

@@ -1,35 +1,111 @@
-"""Episode-level metrics over a list of trajectories (shared by training and validation)."""
+"""Episode-level metrics over a list of trajectories (shared by training and validation), overall and per env tag."""
 
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 
 from ragen.agent.trajectory import Trajectory
 
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    """success, reward mean/std, format-valid turn rate, actions and response length per episode.
+    """Success, rewards, action validity/effectiveness, lengths and group pass@k of ``trajectories``.
+
+    * ``success`` -- share of episodes the env called a success (shaped rewards never count);
+    * ``reward_mean`` / ``reward_std`` -- the *task* return (env rewards + format penalties);
+    * ``reward_think`` / ``reward_prediction`` -- mean shaped reasoning reward per episode
+      (:mod:`ragen.agent.rewards`), logged apart from the task reward; ``prediction_accuracy``
+      -- share of scored turns whose ``<prediction>`` was exact (when predictions were asked for);
+    * ``format_valid`` = ``valid_action_rate`` -- share of turns whose answer parsed into valid actions;
+    * ``effective_action_rate`` -- share of executed actions that changed the env's state;
+    * ``actions_per_episode``, ``turns_per_episode``, ``response_length`` (model tokens per turn);
+    * ``pass@k`` -- with groups of ``k >= 2`` episodes sharing a seed (training groups): share of
+      groups with at least one success (the unbiased pass@k with n = k).
 
     Episodes whose env raised are counted in ``{prefix}/env_errors`` and left out of the rest.
     """
     ok = [t for t in trajectories if not t.error]
     turns = [turn for t in ok for turn in t.turns]
-    rewards = [t.reward for t in ok]
+    rewards = [t.task_reward for t in ok]
     out = {
         f"{prefix}/episodes": float(len(ok)),
         f"{prefix}/env_errors": float(len(trajectories) - len(ok)),
     }
     if not ok:
         return out
+    executed = sum(turn.actions_executed for turn in turns)
+    valid = sum(turn.format_valid for turn in turns) / max(1, len(turns))
     out.update(
         {
             f"{prefix}/success": sum(t.success for t in ok) / len(ok),
             f"{prefix}/reward_mean": statistics.fmean(rewards),
             f"{prefix}/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            f"{prefix}/format_valid": sum(turn.format_valid for turn in turns) / max(1, len(turns)),
+            f"{prefix}/reward_think": sum(turn.think_reward for turn in turns) / len(ok),
+            f"{prefix}/reward_prediction": sum(turn.prediction_reward for turn in turns) / len(ok),
+            f"{prefix}/format_valid": valid,
+            f"{prefix}/valid_action_rate": valid,
+            f"{prefix}/effective_action_rate": sum(turn.actions_effective for turn in turns) / executed if executed else 0.0,
             f"{prefix}/turns_per_episode": len(turns) / len(ok),
             f"{prefix}/actions_per_episode": sum(t.num_actions for t in ok) / len(ok),
             f"{prefix}/response_length": sum(t.response_length for t in ok) / max(1, len(turns)),
         }
     )
+    scored = [turn.prediction_correct for turn in turns if turn.prediction_correct is not None]
+    if scored:
+        out[f"{prefix}/prediction_accuracy"] = sum(scored) / len(scored)
+    out.update(group_pass_at_k(ok, prefix))
     return out
+
+
+def group_pass_at_k(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """``{prefix}/pass@k``: share of groups (same ``group_id``) with a success, when all groups have k >= 2 members.
+
+    With n = k samples per group the unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) is 1 if
+    any of the c successes exist, else 0; groups of unequal size (e.g. after an env error)
+    use the smallest size as k and are scored on all their members.
+    """
+    groups: dict[int, list[bool]] = defaultdict(list)
+    for t in trajectories:
+        groups[t.group_id].append(bool(t.success))
+    k = min((len(g) for g in groups.values()), default=0)
+    if k < 2:
+        return {}
+    return {f"{prefix}/pass@{k}": sum(any(g) for g in groups.values()) / len(groups)}
+
+
+def tag_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """:func:`episode_metrics` over everything (``{prefix}/…``) and per env tag (``{prefix}/{tag}/…``)."""
+    out = episode_metrics(trajectories, prefix)
+    by_tag: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_tag[t.tag or t.env_name].append(t)
+    for tag, group in by_tag.items():
+        out.update(episode_metrics(group, f"{prefix}/{tag}"))
+    return out
+
+
+def tags_in(metrics: dict[str, float], prefix: str) -> list[str]:
+    """The tags that have ``{prefix}/{tag}/episodes`` in ``metrics``, in insertion order."""
+    start, end = f"{prefix}/", "/episodes"
+    return [k[len(start) : -len(end)] for k in metrics if k.startswith(start) and k.endswith(end) and k.count("/") == 2]
+
+
+#: Columns of the console table: (metric, header).
+TABLE_COLUMNS = (
+    ("episodes", "episodes"), ("success", "success"), ("reward_mean", "reward"), ("valid_action_rate", "valid"),
+    ("effective_action_rate", "effective"), ("actions_per_episode", "actions"), ("response_length", "resp_len"),
+)
+
+
+def format_tag_table(metrics: dict[str, float], prefix: str) -> str:
+    """A fixed-width table with one row per tag (and ``all``) of the ``{prefix}/{tag}/…`` metrics."""
+    rows = [(tag, f"{prefix}/{tag}/") for tag in tags_in(metrics, prefix)] + [("all", f"{prefix}/")]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'tag':<{width}}  " + "  ".join(f"{h:>9}" for _, h in TABLE_COLUMNS)]
+    for name, start in rows:
+        cells = []
+        for key, _ in TABLE_COLUMNS:
+            value = metrics.get(start + key)
+            cells.append(f"{'-':>9}" if value is None else (f"{value:>9.0f}" if key == "episodes" else f"{value:>9.3f}"))
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)

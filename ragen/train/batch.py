@@ -50,7 +50,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> 
     turn_ends = torch.zeros((B, L - 1), dtype=torch.bool)
     anchor_ids = torch.full((B, L - 1), -1, dtype=torch.long)
     step_returns = torch.zeros((B, L - 1))
-    anchors: dict[tuple[str, str], int] = {}  # (env, observation text) -> id
+    anchors: dict[tuple[str, str], int] = {}  # (env tag, observation text) -> id: states of different tags never share one
     for b, traj in enumerate(trajectories):
         n = len(traj.input_ids)
         input_ids[b, :n] = torch.tensor(traj.input_ids)
@@ -62,7 +62,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> 
             if end > start:  # an empty reply has no token to carry its reward
                 turn_ends[b, end - 2] = True  # target index of the turn's last token
                 turn_rewards[b, end - 2] += turn.reward
-                anchor = anchors.setdefault((traj.env_name, seen[k]), len(anchors))
+                anchor = anchors.setdefault((traj.tag or traj.env_name, seen[k]), len(anchors))
                 anchor_ids[b, start - 1 : end - 1] = anchor
                 step_returns[b, start - 1 : end - 1] = returns[k]
         if traj.turn_spans and traj.turn_spans[-1][1] > traj.turn_spans[-1][0]:

@@ -19,18 +19,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import ragen.envs
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
-from ragen.algos.filtering import uncertainty_filter
 from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
-from ragen.eval.metrics import episode_metrics
+from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.train.batch import TrainBatch, collate
 from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
+from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.logprobs import ValueHead, policy_forward
+from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
 CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
@@ -49,10 +49,10 @@ class StarPOTrainer:
         seed_everything(config.seed)
         self.seed_rng = np.random.default_rng(config.seed)
 
-        # -- envs: fail fast on a bad env config, before the model loads --------------
-        n_train = config.rollout.env_groups * config.rollout.group_size
-        self.train_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(n_train)]
-        self.val_envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in range(config.trainer.val_episodes)]
+        # -- envs, by tag: fail fast on a bad env config, before the model loads -----------
+        self.train_sets, self.val_sets = train_sets(config), val_sets(config)
+        self.train_slots = Slots.build(self.train_sets, config.rollout.group_size)  # group_size envs per group
+        self.val_slots = Slots.build(self.val_sets, 1)  # one env per validation episode
         self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
         self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
 
@@ -106,7 +106,7 @@ class StarPOTrainer:
             val = self.validate()
             summary["val_before"] = val
             self.log({"step": 0, **val})
-            print(f"[ragen] validation before training: {fmt(val)}", flush=True)
+            self.report_validation("before training", val)
 
         bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar, initial=self.start_step)
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
@@ -117,11 +117,13 @@ class StarPOTrainer:
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
             t2 = time.perf_counter()
-            metrics.update(episode_metrics(trajectories, "train"))
+            metrics.update(tag_metrics(trajectories, "train"))
             metrics.update(collapse_signals(trajectories))
             metrics.update({"step": step, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0})
             if cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0 and step != cfg.trainer.total_steps:
-                metrics.update(self.validate())
+                val = self.validate()
+                metrics.update(val)
+                self.report_validation(f"at step {step}", val, write=bar.write)
             if step == cfg.trainer.total_steps:
                 val = self.validate()
                 summary["val_after"] = val
@@ -157,17 +159,20 @@ class StarPOTrainer:
             summary["plot"] = self.plot()
         summary["wall_time_s"] = time.perf_counter() - start
         if "val_after" in summary:
-            print(f"[ragen] validation after training: {fmt(summary['val_after'])}", flush=True)
+            self.report_validation("after training", summary["val_after"])
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"[ragen] run dir: {self.run_dir}  ({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
 
     def rollout(self, step: int) -> list[Trajectory]:
-        r = self.config.rollout
-        group_seeds = self.seed_rng.integers(0, VAL_SEED_BASE, size=r.env_groups)
-        seeds = [int(s) for s in np.repeat(group_seeds, r.group_size)]
-        group_ids = [g for g in range(r.env_groups) for _ in range(r.group_size)]
-        return self.train_rollout.run(self.train_envs, seeds, group_ids, self.config.env.name)
+        """Every group of every training tag plays from its own seed, all in one batch; group ids are unique across tags."""
+        size = self.config.rollout.group_size
+        n_groups = sum(s.count for s in self.train_sets)
+        group_seeds = self.seed_rng.integers(0, VAL_SEED_BASE, size=n_groups)
+        seeds = [int(s) for s in np.repeat(group_seeds, size)]
+        group_ids = [g for g in range(n_groups) for _ in range(size)]
+        slots = self.train_slots
+        return self.train_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Filter → score → advantages → ``ppo_epochs`` passes of clipped-PG mini-batch steps."""
@@ -187,13 +192,15 @@ class StarPOTrainer:
             kl = kl_penalty(scored["logprobs"], scored["ref_logprobs"], alg.kl_type) * batch.response_mask
             token_rewards = token_rewards - alg.kl_coef * kl
             metrics["actor/kl_in_reward"] = float(masked_mean(kl, batch.response_mask))
-        adv = self.adv_estimator(
+        adv = per_tag_advantages(  # never across tags: see ragen/train/per_tag.py
+            self.adv_estimator,
             AdvantageInputs(
                 token_rewards=token_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
                 values=scored.get("values"), turn_ends=batch.turn_ends, gamma=alg.gamma, lam=alg.lam,
                 high_level_gamma=alg.high_level_gamma, norm_adv_by_std=alg.norm_adv_by_std,
                 anchor_ids=batch.anchor_ids, step_returns=batch.step_returns, gigpo_step_weight=alg.gigpo_step_weight,
-            )
+            ),
+            [t.tag or t.env_name for t in usable],
         )
         self.last_advantages = (usable, adv.advantages)
         targets = UpdateTargets(
@@ -213,13 +220,14 @@ class StarPOTrainer:
         return metrics
 
     def uncertainty_filter(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
-        """StarPO-S: train only on the groups whose rewards vary most (``algorithm.filter_ratio``)."""
+        """StarPO-S: train only on the groups whose rewards vary most (``algorithm.filter_ratio``), within each tag."""
         alg = self.config.algorithm
         if alg.filter_ratio >= 1:
             return trajectories, {}
         scores = torch.tensor([t.reward for t in trajectories])
         groups = torch.tensor([t.group_id for t in trajectories])
-        keep, metrics = uncertainty_filter(scores, groups, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)
+        tags = [t.tag or t.env_name for t in trajectories]
+        keep, metrics = per_tag_filter(scores, groups, tags, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)
         return [t for t, k in zip(trajectories, keep.tolist()) if k], metrics
 
     def optimizer_step(self, batch: TrainBatch, targets: "UpdateTargets") -> dict[str, float]:
@@ -328,10 +336,19 @@ class StarPOTrainer:
     # ================================ plumbing ========================================
 
     def validate(self) -> dict[str, float]:
-        n = self.config.trainer.val_episodes
-        seeds = [VAL_SEED_BASE + i for i in range(n)]
-        trajectories = self.val_rollout.run(self.val_envs, seeds, list(range(n)), self.config.env.name)
-        return episode_metrics(trajectories, "val")
+        """Every validation tag on its fixed held-out seeds ``VAL_SEED_BASE + i``, one batch; ``val/…`` and ``val/<tag>/…``."""
+        seeds = [VAL_SEED_BASE + i for s in self.val_sets for i in range(s.count)]
+        slots = self.val_slots
+        trajectories = self.val_rollout.run(slots.envs, seeds, list(range(len(seeds))), slots.env_names,
+                                            settings=slots.settings, tags=slots.tags)
+        return tag_metrics(trajectories, "val")
+
+    def report_validation(self, when: str, metrics: dict[str, float], write=None) -> None:
+        """One console line; with several tags (validation or training) a per-tag table below it."""
+        write = write or (lambda line: print(line, flush=True))
+        write(f"[ragen] validation {when}: {fmt(metrics)}")
+        if len(self.val_sets) > 1 or len(self.train_sets) > 1:
+            write(format_tag_table(metrics, "val"))
 
     def plot(self) -> str:
         """Draw the run's curves to ``curves.png`` (skipped with a note if matplotlib is missing)."""
@@ -417,7 +434,8 @@ class StarPOTrainer:
     def _make_run_dir(self, resume: bool) -> Path:
         out = self.config.trainer.output_dir
         if not out:
-            out = f"runs/{self.config.env.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+            name = "+".join(s.name for s in train_sets(self.config))[:60]
+            out = f"runs/{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             self.config.trainer.output_dir = out
         path = Path(out)
         if resume:
