@@ -85,11 +85,37 @@ class HFBackend:
         self.model.eval()
         try:
             with autocast(self.precision):
+                cache = self._shared_prefill(prompts, input_ids, attention_mask)
+                if cache is not None:
+                    kwargs["past_key_values"] = cache
                 sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
             self.model.train(was_training)
         new_tokens = sequences[:, width:].tolist()  # (B, N)
         return [self._cut(ids, params) for ids in new_tokens]
+
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
+
+        A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
+        that hold only ``U`` distinct prompts costs ``U`` prompt passes instead of ``B``. Returns
+        None when every prompt is distinct (or the model has no KV cache), and ``generate``
+        prefills as usual. The last column stays uncached because ``generate`` needs at least
+        one new token to start from; the cache covers columns ``[0, P-1)`` of the same
+        left-padded layout, with the positions ``generate`` itself would use.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if len(distinct) == len(prompts) or input_ids.shape[1] < 2 or not self.model.config.use_cache:
+            return None
+        first_row = {u: row_prompt.index(u) for u in range(len(distinct))}
+        rows = torch.tensor([first_row[u] for u in range(len(distinct))])
+        ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.reorder_cache(torch.tensor(row_prompt))  # (U, ...) -> (B, ...)
+        return cache
 
     def _cut(self, ids: list[int], params: SamplingParams) -> Generation:
         """Keep the tokens up to the first finish event; what HF filled in after it is padding."""

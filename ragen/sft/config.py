@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ragen.config import ConfigError, LoraConfig, _friendly
+from ragen.models.precision import PRECISIONS, resolve_precision
 
 
 @dataclass
@@ -54,8 +55,9 @@ class SFTTrainerConfig:
     batch_size: int = 16
     #: Conversations per forward/backward pass (gradient accumulation inside a step).
     micro_batch_size: int = 4
-    #: "bf16" (autocast, fp32 master weights) or "fp32".
-    precision: str = "bf16"
+    #: "auto" (bf16 only where the hardware multiplies bf16 natively; see ragen/models/precision.py),
+    #: "bf16" (autocast, fp32 master weights) or "fp32". The resolved value is what config.yaml records.
+    precision: str = "auto"
     #: Eval loss every N steps (0 = only before training and at the end).
     eval_freq: int = 0
     #: Run directory; empty = ``runs/sft-<timestamp>``.
@@ -124,7 +126,8 @@ def validate(config: SFTConfig) -> None:
     need(config.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")
     need(config.trainer.batch_size >= 1, "trainer.batch_size", "must be >= 1")
     need(config.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
-    need(config.trainer.precision in ("bf16", "fp32"), "trainer.precision", "must be 'bf16' or 'fp32'")
+    need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
+    config.trainer.precision = resolve_precision(config.trainer.precision)
     need(config.trainer.max_time_s >= 0, "trainer.max_time_s", "must be >= 0")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
 

@@ -1,0 +1,59 @@
+"""HFBackend: a group's shared prompt is prefilled once and its KV cache copied per row, with unchanged samples."""
+
+import pytest
+import torch
+
+from ragen.models import load_model
+from ragen.models.backend import HFBackend, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def backend():
+    model, tokenizer = load_model("tiny")
+    return HFBackend(model, tokenizer, precision="fp32")
+
+
+def prompts_with_groups(tokenizer):
+    texts = ["The arms are Apple and Stuntman.", "Sokoban: push the box X onto the target O, please now.", "Hi"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    return [ids[0]] * 3 + [ids[1]] * 2 + [ids[2]] + [ids[0]]  # 7 rows, 3 distinct prompts of different lengths
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_shared_prefill_gives_the_same_tokens_as_a_plain_prefill(backend, monkeypatch, do_sample):
+    prompts = prompts_with_groups(backend.tokenizer)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
+    calls = []
+    real = backend._shared_prefill
+    monkeypatch.setattr(backend, "_shared_prefill", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    shared = backend.generate(prompts, params)
+    assert calls  # the shared path really ran ...
+    monkeypatch.setattr(backend, "_shared_prefill", lambda *a: None)
+    torch.manual_seed(0)
+    plain = backend.generate(prompts, params)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in plain]
+    assert [g.finish_reason for g in shared] == [g.finish_reason for g in plain]
+    assert all(len(g.token_ids) > 0 for g in shared)
+
+
+def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
+    prompts = prompts_with_groups(backend.tokenizer)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), backend.pad_id)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    seen = []
+    handle = backend.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        cache = backend._shared_prefill(prompts, ids, mask)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([3, width - 1])]  # one row per distinct prompt, the last column left to generate
+    assert cache.get_seq_length() == width - 1
+    k0 = cache.layers[0].keys  # (B, heads, P-1, head_dim): rows of the same prompt hold the same cache
+    assert k0.shape[0] == len(prompts)
+    assert torch.equal(k0[0], k0[6]) and torch.equal(k0[3], k0[4]) and not torch.equal(k0[0], k0[3])
+    assert backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]]) is None  # all distinct
