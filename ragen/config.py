@@ -173,6 +173,10 @@ class OptimConfig:
     grad_clip: float = 1.0
     #: Linear warm-up steps (0 = constant LR).
     warmup_steps: int = 0
+    #: Train only the last N decoder layers (0 = all): embeddings, LM head and lower layers stay
+    #: frozen, so the backward pass stops at layer L-N (ragen/models/freeze.py). Under LoRA only
+    #: the adapters of those layers train.
+    trainable_layers: int = 0
 
 
 @dataclass
@@ -218,6 +222,9 @@ class TrainerConfig:
     stop_on_collapse: bool = False
     #: Draw ``curves.png`` (success, reward, entropy, grad norm, length) at the end.
     plot: bool = True
+    #: Metric sinks, any of console, jsonl, tensorboard (RUN_DIR/tensorboard), wandb (the ``wandb``
+    #: extra; offline unless WANDB_API_KEY is set). metrics.jsonl is always written. docs/logging.md.
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     #: Run each group's shared first prompt once in the update and reuse its KV cache for every
     #: member (same results up to float rounding; ~3x faster on the bandit preset).
     share_prompt_prefix: bool = True
@@ -293,6 +300,7 @@ def validate(config: RunConfig) -> None:
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(config.optim.trainable_layers >= 0, "optim.trainable_layers", "must be >= 0 (0 = every layer trains)")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
     need(config.trainer.val_episodes >= 1, "trainer.val_episodes", "must be >= 1")
     need(0 < config.algorithm.filter_ratio <= 1, "algorithm.filter_ratio", "must be in (0, 1]")
@@ -307,6 +315,10 @@ def validate(config: RunConfig) -> None:
         need(getattr(config.agent, key) == 0 or config.agent.enable_think, f"agent.{key}",
              "needs agent.enable_think=true (it rewards what the model writes inside <think>)")
     validate_env_sets(config)
+    from ragen.train.loggers import LOGGERS, unknown_loggers
+
+    unknown = unknown_loggers(config.trainer.logger)
+    need(not unknown, "trainer.logger", f"unknown logger {', '.join(map(repr, unknown))} (choose from {', '.join(LOGGERS)})")
 
 
 def validate_env_sets(config: RunConfig) -> None:
@@ -342,6 +354,7 @@ def user_tag_dicts(config: RunConfig) -> dict[str, dict[str, Any]]:
 RESUME_SAFE_KEYS = {
     "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
+    "trainer.logger",
 }
 
 

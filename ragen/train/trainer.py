@@ -26,9 +26,11 @@ from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
+from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate
 from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
 from ragen.train.env_sets import Slots, train_sets, val_sets
+from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 
@@ -44,6 +46,7 @@ class StarPOTrainer:
         self.config = config
         self.run_dir = self._make_run_dir(resume)
         self.start_step = 0
+        require_logger_packages(config.trainer.logger)  # a missing wandb fails before the model loads
         if config.trainer.num_threads > 0:
             torch.set_num_threads(config.trainer.num_threads)
         seed_everything(config.seed)
@@ -64,6 +67,7 @@ class StarPOTrainer:
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if uses_kl and config.lora.rank == 0 else None
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
+        train_top_layers(self.model, config.optim.trainable_layers)
         self.value_head = ValueHead(self.model.config.hidden_size) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor()
@@ -94,6 +98,7 @@ class StarPOTrainer:
         (self.run_dir / "config.yaml").write_text(to_yaml(config))
         if resume:
             self._resume()
+        self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None)
 
     # ================================ the algorithm ===================================
 
@@ -144,6 +149,7 @@ class StarPOTrainer:
                 print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
                       f"`ragen train --resume {self.run_dir}`", flush=True)
                 summary["interrupted_at_step"] = step
+                self.close_loggers()
                 return summary
             if stop:
                 bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
@@ -151,6 +157,7 @@ class StarPOTrainer:
                 break
         interrupt.restore()
         bar.close()
+        self.close_loggers()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
             summary["val_after"] = self.validate()
         if cfg.trainer.save_final:
@@ -383,8 +390,13 @@ class StarPOTrainer:
         return path
 
     def log(self, metrics: dict) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        """One step's metrics to every ``trainer.logger`` (metrics.jsonl always)."""
+        for logger in self.loggers:
+            logger.log(metrics, step=int(metrics["step"]))
+
+    def close_loggers(self) -> None:
+        for logger in self.loggers:
+            logger.close()
 
     def save(self, path: Path) -> None:
         """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""
