@@ -12,6 +12,7 @@ from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import TILE_SIZE, Glyph, Tile, check_render_mode, check_tile_size, draw_grid
 
 #: Our action ids -> gymnasium's (0 Left, 1 Down, 2 Right, 3 Up).
 ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
@@ -19,6 +20,20 @@ TO_GYM_ACTION = {1: 0, 2: 1, 3: 2, 4: 3}
 
 SYMBOL_LEGEND = "P: player, _: frozen ice, O: hole, G: goal, X: player fell into a hole, √: player on the goal"
 _CHARSET = frozenset("P_OGX√\n")
+
+# RGB tiles (``render_mode="rgb_array"``), one per observation symbol, drawn with numpy: gymnasium's
+# own rgb_array rendering needs pygame, which is not a dependency. The viewer's HTML grid uses the same colours.
+_ICE = (208, 235, 255)
+_HOLE = Glyph("disc", (27, 31, 59), size=0.42)
+_GOAL = Glyph("diamond", (252, 196, 25), size=0.44)
+TILES = {
+    "_": Tile(_ICE),
+    "O": Tile(_ICE, (_HOLE,)),
+    "G": Tile(_ICE, (_GOAL,)),
+    "P": Tile(_ICE, (Glyph("disc", (232, 89, 12), size=0.28),)),
+    "X": Tile(_ICE, (_HOLE, Glyph("cross", (224, 49, 49), size=0.3, width=0.07))),
+    "√": Tile(_ICE, (_GOAL, Glyph("disc", (47, 158, 68), size=0.2))),
+}
 
 
 @register("frozen_lake")
@@ -37,6 +52,14 @@ class FrozenLakeEnv(TextEnv):
     ``Discrete(4, start=1)``: 1 Left, 2 Down, 3 Right, 4 Up (gymnasium's 0..3 plus one).
     With ``is_slippery`` the player moves in the intended direction with probability
     ``success_rate`` and in each perpendicular direction with ``(1 - success_rate) / 2``.
+
+    ## Rendering
+    ``render()`` returns the observation text (``render_mode`` None, ``"text"`` or ``"ansi"``),
+    or with ``render_mode="rgb_array"`` a ``(size * tile_size, size * tile_size, 3)`` uint8
+    image of the text grid: light-blue ice, navy holes, a yellow goal diamond, an orange
+    player, a red cross in a hole, a green disc on the goal (:data:`TILES`; ``tile_size`` 32 by
+    default). Drawn with numpy (:mod:`ragen.envs.render`), not gymnasium's pygame renderer. The
+    observation returned by ``reset``/``step`` is text in every mode.
 
     ## Observation Space
     ``Text``: one row per line, ``P`` player, ``_`` frozen (the start cell too), ``O``
@@ -70,6 +93,7 @@ class FrozenLakeEnv(TextEnv):
     description = "FrozenLake: walk over slippery ice from the start to the goal without falling into a hole."
     action_lookup = dict(ACTION_LOOKUP)
     action_space = spaces.Discrete(4, start=1)
+    metadata = {"render_modes": ["text", "ansi", "rgb_array"], "render_fps": 4}
 
     @dataclass
     class Config:
@@ -89,9 +113,10 @@ class FrozenLakeEnv(TextEnv):
             if self.max_steps <= 0:
                 raise ValueError(f"frozen_lake: max_steps must be positive, got {self.max_steps}")
 
-    def __init__(self, render_mode: str | None = None, **cfg: Any):
+    def __init__(self, render_mode: str | None = None, tile_size: int = TILE_SIZE, **cfg: Any):
         self.config = build_config(self.Config, cfg, "frozen_lake")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("frozen_lake", render_mode, self.metadata["render_modes"])
+        self.tile_size = check_tile_size("frozen_lake", tile_size)
         self.instructions = (
             "You are playing FrozenLake: walk from the start to the goal G without falling into a hole O. "
             + ("The ice is slippery: you may move perpendicular to the direction you chose.\n" if self.config.is_slippery else "\n")
@@ -132,7 +157,7 @@ class FrozenLakeEnv(TextEnv):
         self.lake.reset()
         self.num_steps = 0
         self._done = False
-        return self.render(), {"success": False}
+        return self._text(), {"success": False}
 
     def step(self, action):
         action = self.check_action(action)
@@ -150,9 +175,21 @@ class FrozenLakeEnv(TextEnv):
             "action_is_effective": int(state) != int(before),
             "prob": float(gym_info["prob"]),
         }
-        return self.render(), 1.0 if success else 0.0, bool(terminated), truncated, info
+        return self._text(), 1.0 if success else 0.0, bool(terminated), truncated, info
 
-    def render(self) -> str:
+    def render(self) -> str | np.ndarray:
+        """The observation text; with ``render_mode="rgb_array"`` the RGB frame (:meth:`render_rgb`)."""
+        if self.render_mode == "rgb_array":
+            return self.render_rgb()
+        return self._text()
+
+    def render_rgb(self) -> np.ndarray:
+        """The lake as an ``(H, W, 3)`` uint8 image, ``tile_size`` px per cell ((0, 0, 3) before ``reset``)."""
+        if self.lake is None:
+            return np.zeros((0, 0, 3), dtype=np.uint8)
+        return draw_grid(self._text().split("\n"), TILES, self.tile_size)
+
+    def _text(self) -> str:
         """The current observation text (empty before the first ``reset``)."""
         if self.lake is None:
             return ""

@@ -25,6 +25,7 @@ def test_check_env_and_registry():
     env = make("frozen_lake")
     assert isinstance(env, FrozenLakeEnv)
     check_env(FrozenLakeEnv(size=5, is_slippery=False))
+    check_env(FrozenLakeEnv(size=5, is_slippery=False, render_mode="rgb_array"))
     assert env.description and "Left" in env.instructions
 
 

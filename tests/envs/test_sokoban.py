@@ -65,6 +65,7 @@ def play(level: str, **cfg) -> SokobanEnv:
 def test_check_env_passes(observation_format):
     env = SokobanEnv(observation_format=observation_format)
     check_env(env)
+    check_env(SokobanEnv(observation_format=observation_format, render_mode="rgb_array"))
     obs, _ = env.reset(seed=3)
     assert obs in env.observation_space
 

@@ -12,11 +12,19 @@ from gymnasium import spaces
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import TILE_SIZE, Glyph, Tile, check_render_mode, check_tile_size, draw_grid
 from ragen.envs.sokoban.generation import generate_room
 from ragen.envs.sokoban.room import (
+    BOX,
+    BOX_ON_TARGET,
     COORD_SECTIONS,
+    FLOOR,
     GRID_SYMBOLS,
+    PLAYER,
+    PLAYER_ON_TARGET,
     SYMBOL_LEGEND,
+    TARGET,
+    WALL,
     Room,
     apply_move,
     parse_level,
@@ -38,6 +46,22 @@ SIMPLE_SOKOBAN = dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=
 #: Two boxes in an 8x8 room.
 LARGER_SOKOBAN = dict(dim_room=(8, 8), num_boxes=2, max_steps=100, search_depth=30)
 
+# RGB tiles (``render_mode="rgb_array"``), one per grid symbol; the viewer's HTML grid uses the same colours.
+_FLOOR = (236, 230, 216)
+_TARGET_RING = Glyph("ring", (250, 140, 22), size=0.44, width=0.1)
+_PLAYER = Glyph("disc", (28, 126, 214), size=0.27)
+TILES = {
+    WALL: Tile((75, 75, 75), (Glyph("bricks", (112, 112, 112), width=0.08),)),
+    FLOOR: Tile(_FLOOR),
+    TARGET: Tile(_FLOOR, (_TARGET_RING,)),
+    BOX: Tile(_FLOOR, (Glyph("square", (160, 99, 47), size=0.38), Glyph("cross", (112, 66, 28), size=0.3, width=0.06))),
+    BOX_ON_TARGET: Tile(
+        _FLOOR, (Glyph("square", (47, 158, 68), size=0.38), Glyph("cross", (30, 110, 45), size=0.3, width=0.06))
+    ),
+    PLAYER: Tile(_FLOOR, (_PLAYER,)),
+    PLAYER_ON_TARGET: Tile(_FLOOR, (_TARGET_RING, _PLAYER)),
+}
+
 _RULES = (
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
     "When you are right next to a box, you can push it by moving in the same direction. "
@@ -57,6 +81,13 @@ class SokobanEnv(TextEnv):
     ## Action Space
     ``Discrete(4, start=1)``: 1 Up, 2 Down, 3 Left, 4 Right. Moving into a box pushes it
     if the cell beyond is free floor or an empty target; otherwise the player stays put.
+
+    ## Rendering
+    ``render()`` returns the observation text (``render_mode`` None, ``"text"`` or ``"ansi"``),
+    or with ``render_mode="rgb_array"`` an ``(rows * tile_size, cols * tile_size, 3)`` uint8
+    image of the room: grey brick walls, beige floor, orange-ringed targets, brown boxes
+    (green on a target), a blue player (:data:`TILES`; ``tile_size`` 32 by default). The
+    observation returned by ``reset``/``step`` is text in every mode.
 
     ## Observation Space
     ``Text``. ``observation_format="grid"``: one row per line, with ``#`` wall, ``_``
@@ -86,6 +117,7 @@ class SokobanEnv(TextEnv):
     """
 
     description = "Sokoban: push every box onto a target in a small walled room."
+    metadata = {"render_modes": ["text", "ansi", "rgb_array"], "render_fps": 4}
     action_lookup = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
     action_space = spaces.Discrete(4, start=1)
 
@@ -119,9 +151,10 @@ class SokobanEnv(TextEnv):
                 if getattr(self, key) <= 0:
                     raise ValueError(f"sokoban: {key} must be positive, got {getattr(self, key)}")
 
-    def __init__(self, render_mode: str | None = None, **cfg: Any):
+    def __init__(self, render_mode: str | None = None, tile_size: int = TILE_SIZE, **cfg: Any):
         self.config = build_config(self.Config, cfg, "sokoban")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("sokoban", render_mode, self.metadata["render_modes"])
+        self.tile_size = check_tile_size("sokoban", tile_size)
         self.instructions = _instructions(self.config.observation_format)
         self.observation_space = _observation_space(self.config.dim_room)
         self.room: Room | None = None
@@ -140,7 +173,7 @@ class SokobanEnv(TextEnv):
             self._fit_observation_space(self.room.shape)
         self.num_steps = 0
         self._done = False
-        return self.render(), {"success": False}
+        return self._text(), {"success": False}
 
     def step(self, action):
         action = self.check_action(action)
@@ -157,9 +190,21 @@ class SokobanEnv(TextEnv):
             "action_is_valid": True,
             "action_is_effective": self.room.player != before.player,
         }
-        return self.render(), _reward(before, self.room), terminated, truncated, info
+        return self._text(), _reward(before, self.room), terminated, truncated, info
 
-    def render(self) -> str:
+    def render(self) -> str | np.ndarray:
+        """The observation text; with ``render_mode="rgb_array"`` the RGB frame (:meth:`render_rgb`)."""
+        if self.render_mode == "rgb_array":
+            return self.render_rgb()
+        return self._text()
+
+    def render_rgb(self) -> np.ndarray:
+        """The room as an ``(H, W, 3)`` uint8 image, ``tile_size`` px per cell ((0, 0, 3) before ``reset``)."""
+        if self.room is None:
+            return np.zeros((0, 0, 3), dtype=np.uint8)
+        return draw_grid(render_grid(self.room).split("\n"), TILES, self.tile_size)
+
+    def _text(self) -> str:
         """The current observation text (empty before the first ``reset``)."""
         if self.room is None:
             return ""
