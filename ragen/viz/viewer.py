@@ -13,6 +13,11 @@ and writes a self-contained site (no server, no external assets, no JavaScript):
     OUT/step_000003/traj_0000.html        one trajectory: frames, think/answer, actions,
                                           rewards, tokens coloured by advantage
 
+Sokoban and FrozenLake trajectories also get the env's rendered RGB frame at the start and
+after every turn, as PNG data URIs, from replaying the recorded actions
+(:mod:`ragen.viz.frames`; a frame is shown only when the replay reproduces the recorded
+observation).
+
 Everything in a rollout (model text, decoded tokens, observations, even env names) is
 untrusted: every string is passed through :func:`html.escape` (``quote=True``) before it is
 written, file names and CSS classes are generated here and never taken from the data, and each
@@ -28,6 +33,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from ragen.viz.frames import Frames, read_run_config, replay_frames
 
 __all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
 
@@ -99,6 +106,8 @@ table.grid td{width:26px;height:26px;padding:0;text-align:center;font:bold 13px 
 .fl-hole{background:#1b1f3b;color:#8f96c9}.fl-goal{background:#fcc419;color:#5c3c00}
 .fl-dead{background:#7a0c0c;color:#fff}.fl-won{background:#2f9e44;color:#fff}
 .unk{background:#fff;color:#c00}
+img.render{image-rendering:pixelated;border:1px solid #ccc;margin:.3em 0;display:block}
+p.note{color:#8a5a00;font-style:italic}
 .tokens{font:12px/1.7 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;
         word-break:break-all;border:1px solid #e3e3e3;padding:.5em}
 .tokens span{border-radius:2px;box-shadow:inset -1px 0 rgba(0,0,0,.13)}
@@ -249,15 +258,19 @@ def parse_grid(text: Any, symbols: Iterable[str]) -> list[str] | None:
     return None
 
 
-def render_frame(observation: Any, env: Any, legend: bool = True) -> str:
-    """An env observation: a coloured grid (+ legend) for grid envs, else escaped text."""
+def render_frame(observation: Any, env: Any, legend: bool = True, image: str = "") -> str:
+    """An env observation: a coloured grid (+ legend) for grid envs, else escaped text.
+
+    ``image``: HTML placed first (the rendered frame or a note; built by :func:`_image_html`).
+    """
     if observation is None:
         observation = ""
     text = observation if isinstance(observation, str) else json.dumps(observation, ensure_ascii=False)
     kind = _grid_kind(env)
     grid = parse_grid(text, GRID_ENVS[kind]) if kind else None
     if grid is None:
-        return f"<pre class='obs'>{e(text)}</pre>"
+        pre = f"<pre class='obs'>{e(text)}</pre>"
+        return f"<div class='frame'><div>{image}</div><div>{pre}</div></div>" if image else pre
     palette = GRID_ENVS[kind]
     rows = []
     for line in grid:
@@ -269,7 +282,21 @@ def render_frame(observation: Any, env: Any, legend: bool = True) -> str:
     rest = "\n".join(line for line in text.splitlines() if line.strip() not in grid).strip()
     extra = f"<details><summary>text</summary><pre class='obs'>{e(text)}</pre></details>" if rest else ""
     side = _grid_legend(kind) if legend else ""
-    return f"<div class='frame'><div>{table}</div><div class='legend'>{side}{extra}</div></div>"
+    first = f"<div>{image}</div>" if image else ""
+    return f"<div class='frame'>{first}<div>{table}</div><div class='legend'>{side}{extra}</div></div>"
+
+
+def _image_html(frames: Frames | None, position: int, env: Any) -> str:
+    """The rendered frame at ``position`` (0 = initial, k = after turn k) as an <img>, or the replay note there."""
+    if frames is None:
+        return ""
+    uri = frames.initial if position == 0 else (frames.turns[position - 1] if position <= len(frames.turns) else None)
+    if uri is not None:
+        # The URI is ours (base64 of our own PNG bytes); escaped anyway.
+        return f"<img class='render' src='{e(uri)}' alt='{e(f'rendered {env} frame')}'>"
+    if frames.note and frames.note_at == position:
+        return f"<p class='meta note'>No rendered frame: {e(frames.note)}</p>"
+    return ""
 
 
 def _grid_legend(kind: str) -> str:
@@ -427,8 +454,10 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
     return _page(f"{run_name} step {step}", body, " ".join(nav))
 
 
-def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, scale: float) -> str:
+def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, scale: float,
+               run_config: dict | None = None) -> str:
     env = traj.get("env", "")
+    frames = replay_frames(traj, run_config)
     nav = [
         "<a href='../index.html'>&larr; all steps</a>",
         f"<a href='../{_step_name(step)}.html'>&uarr; step {step}</a>",
@@ -446,19 +475,20 @@ def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, sca
     if traj.get("error"):
         meta += f" &middot; <b>error</b> <span class='bad'>{e(traj.get('error'))}</span>"
     parts = [f"<h1>{e(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
-    parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env))
+    initial_image = _image_html(frames, 0, env)
+    parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env, image=initial_image))
     turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
             turn = {"response": turn}
-        parts.append(_turn_html(t, turn, env))
+        parts.append(_turn_html(t, turn, env, _image_html(frames, t + 1, env)))
     if not turns:
         parts.append("<p class='meta'>No turns recorded.</p>")
     parts.append("<h2>Tokens</h2>" + _token_legend(scale) + render_tokens(traj, scale))
     return _page(f"{run_name} step {step} #{index}", "".join(parts), " ".join(nav))
 
 
-def _turn_html(t: int, turn: dict, env: Any) -> str:
+def _turn_html(t: int, turn: dict, env: Any, image: str = "") -> str:
     response = turn.get("response", "")
     think, answer = split_response(response)
     actions = turn.get("actions")
@@ -486,7 +516,11 @@ def _turn_html(t: int, turn: dict, env: Any) -> str:
     else:
         body.append(f"<details><summary>raw response</summary><pre>{e(raw)}</pre></details>")
     if "observation" in turn:
-        body.append("<h3>observation after this turn</h3>" + render_frame(turn.get("observation", ""), env, legend=False))
+        body.append(
+            "<h3>observation after this turn</h3>" + render_frame(turn.get("observation", ""), env, legend=False, image=image)
+        )
+    elif image:
+        body.append(image)
     return f"<div class='turn'>{head}{''.join(body)}</div>"
 
 
@@ -505,6 +539,7 @@ def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = N
     out.mkdir(parents=True, exist_ok=True)
     run_name = run.resolve().name
     metrics = _metrics_by_step(run)
+    run_config = read_run_config(run)
     files = _rollout_files(run)
     steps = sorted(files)
     counts: dict[int, int] = {}
@@ -519,7 +554,7 @@ def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = N
         folder = out / _step_name(step)
         folder.mkdir(exist_ok=True)
         for i, traj in enumerate(trajectories):
-            html_text = _traj_page(run_name, step, i, len(trajectories), traj, scale)
+            html_text = _traj_page(run_name, step, i, len(trajectories), traj, scale, run_config)
             (folder / _traj_name(i)).write_text(html_text, encoding="utf-8")
     index = out / "index.html"
     index.write_text(_index_page(run, metrics, counts), encoding="utf-8")

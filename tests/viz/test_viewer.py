@@ -174,3 +174,200 @@ def test_pages_in_headless_chromium(run_dir, tmp_path, page):
         assert "class=\"sk-player\"" in dom
     errors = [line for line in done.stderr.splitlines() if "Uncaught" in line or "CONSOLE" in line]
     assert not errors, errors
+
+
+# ------------------------------------------------------------------ rendered env frames (replayed)
+
+IMG_RE = re.compile(r"<img class='render' src='data:image/png;base64,([A-Za-z0-9+/=]+)' alt='[^'<>]*'>")
+REPLIES = [
+    "<think>go</think><answer>Up || Left</answer>",
+    "<think>go</think><answer>Down || Right</answer>",
+    "<answer>Jump</answer>",  # no <think>: invalid, nothing is stepped
+    "<think>go</think><answer>Right || Down</answer>",
+    "<think>go</think><answer>Left || Sideways</answer>",  # unknown action: invalid
+    "<think>go</think><answer>Down</answer>",
+]
+
+
+class ScriptedBackend:
+    """Replies from ``REPLIES`` in turn, per prompt; stands in for the model in a real ``Rollout``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def generate(self, prompts, params):
+        from ragen.models.backend import Generation
+
+        out = []
+        for _ in prompts:
+            reply = REPLIES[self.calls % len(REPLIES)]
+            self.calls += 1
+            out.append(Generation(self.tokenizer(reply, add_special_tokens=False)["input_ids"], "stop"))
+        return out
+
+
+def _write_run(run: Path, tokenizer, preset, overrides=(), seeds_per_group=(3, 8), step=1) -> list[dict]:
+    """A run dir as the trainer writes it: config.yaml and one rollouts file, from a real Rollout."""
+    from dataclasses import asdict
+
+    from ragen.agent import AgentSettings, Rollout
+    from ragen.config import load_config, to_yaml
+    from ragen.models.backend import SamplingParams
+    from ragen.train.env_sets import Slots, train_sets
+
+    config = load_config(preset, list(overrides))
+    slots = Slots.build(train_sets(config), config.rollout.group_size)
+    size = config.rollout.group_size
+    n_groups = len(slots) // size
+    seeds = [seeds_per_group[g % len(seeds_per_group)] + g for g in range(n_groups) for _ in range(size)]
+    groups = [g for g in range(n_groups) for _ in range(size)]
+    rollout = Rollout(ScriptedBackend(tokenizer), tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+    trajs = rollout.run(slots.envs, seeds, groups, slots.env_names, settings=slots.settings, tags=slots.tags)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(config))
+    records = [
+        {"step": step, **t.to_json(), "tokens": [tokenizer.decode([i]) for i in t.input_ids],
+         "loss_mask": t.loss_mask, "advantages": [0.0] * len(t.input_ids)}
+        for t in trajs
+    ]
+    (run / "rollouts").mkdir(exist_ok=True)
+    (run / "rollouts" / f"step_{step:06d}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return records
+
+
+def _pngs(page_text: str):
+    """The decoded <img> frames of a page, in order (PIL)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    Image = pytest.importorskip("PIL.Image")
+    out = []
+    for data in IMG_RE.findall(page_text):
+        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+            out.append(np.asarray(img.convert("RGB")))
+    return out
+
+
+def _expected_frames(record, env_cfg, max_actions=None):
+    """The frames replayed directly on the env, for comparison (initial + after each turn)."""
+    import ragen.envs
+
+    env = ragen.envs.make(record["env"], render_mode="rgb_array", **env_cfg)
+    env.reset(seed=record["seed"])
+    frames, left = [env.render()], max_actions
+    for turn in record["turns"]:
+        if turn["format_valid"]:
+            for action in turn["actions"][: left if left is not None else None]:
+                _, _, terminated, truncated, _ = env.step(env.unwrapped.parse_action(action))
+                left = None if left is None else left - 1
+                if terminated or truncated:
+                    break
+        frames.append(env.render())
+    return frames
+
+
+@pytest.fixture
+def sokoban_run(tmp_path, tokenizer):
+    run = tmp_path / "sokoban_run"
+    records = _write_run(run, tokenizer, "sokoban", ["rollout.env_groups=2", "rollout.group_size=2"])
+    return run, records
+
+
+def test_sokoban_pages_show_one_verified_frame_per_turn(sokoban_run, tmp_path):
+    import numpy as np
+
+    run, records = sokoban_run
+    assert len(records) == 4 and all(r["env"] == "sokoban" and r["tag"] == "sokoban" for r in records)
+    assert any(not t["format_valid"] for t in records[0]["turns"])  # invalid turns are part of the test
+    build_site(run, tmp_path / "site")
+    for i, record in enumerate(records):
+        page = (tmp_path / "site" / "step_000001" / f"traj_{i:04d}.html").read_text()
+        frames = _pngs(page)
+        # The initial observation, then one frame after every turn.
+        assert len(frames) == len(record["turns"]) + 1 >= 2
+        assert page.count("<img") == len(frames)
+        assert "No rendered frame" not in page
+        expected = _expected_frames(record, {"dim_room": [6, 6], "num_boxes": 1, "max_steps": 100}, max_actions=10)
+        assert all(np.array_equal(a, b) for a, b in zip(frames, expected))
+        assert frames[0].shape == (6 * 32, 6 * 32, 3)
+        moved = [t for t in record["turns"] if t["format_valid"]]
+        if moved and any(t["observation"] != record["initial_observation"] for t in moved):
+            assert any(not np.array_equal(frames[0], f) for f in frames[1:])
+
+
+def test_mixed_tags_and_slippery_lake_replay(tmp_path, tokenizer):
+    tags = ("es.train=[{tag: SimpleSokoban, groups: 1}, {tag: SlipperyFrozenLake, groups: 1}, "
+            "{tag: BigLake, groups: 1}, {tag: Bandit, groups: 1}]")
+    records = _write_run(
+        tmp_path / "mixed", tokenizer, None,
+        [tags, "es.tags={BigLake: {env: frozen_lake, config: {size: 5, is_slippery: true}, max_turn: 4}}",
+         "rollout.group_size=2", "agent.max_turn=5", "agent.max_actions_per_turn=2"],
+        seeds_per_group=(30,),
+    )
+    assert [r["tag"] for r in records] == ["SimpleSokoban"] * 2 + ["SlipperyFrozenLake"] * 2 + ["BigLake"] * 2 + ["Bandit"] * 2
+    build_site(tmp_path / "mixed", tmp_path / "site")
+    for i, record in enumerate(records):
+        page = (tmp_path / "site" / "step_000001" / f"traj_{i:04d}.html").read_text()
+        if record["env"] == "bandit":
+            assert "<img" not in page and "No rendered frame" not in page
+            continue
+        frames = _pngs(page)
+        assert len(frames) == len(record["turns"]) + 1 and "No rendered frame" not in page, record["tag"]
+        size = 5 if record["tag"] == "BigLake" else (4 if record["env"] == "frozen_lake" else 6)
+        assert frames[0].shape == (size * 32, size * 32, 3)
+
+
+def test_replay_that_does_not_match_shows_a_note_not_a_frame(sokoban_run, tmp_path):
+    run, records = sokoban_run
+    record = next(r for r in records if sum(t["format_valid"] for t in r["turns"]) >= 2)
+    k = next(i for i, t in enumerate(record["turns"]) if t["format_valid"] and i > 0)
+    tampered = json.loads(json.dumps(record))
+    tampered["turns"][k]["observation"] = tampered["turns"][k]["observation"].replace("P", "_", 1).replace("_", "P", 1)
+    assert tampered["turns"][k]["observation"] != record["turns"][k]["observation"]
+    wrong_seed = dict(json.loads(json.dumps(record)), seed=record["seed"] + 1)
+    no_config = json.loads(json.dumps(record))
+    path = run / "rollouts" / "step_000002.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (tampered, wrong_seed, no_config)) + "\n")
+    build_site(run, tmp_path / "site")
+    page = (tmp_path / "site" / "step_000002" / "traj_0000.html").read_text()
+    assert len(_pngs(page)) == k + 1  # initial + turns before the tampered one
+    assert f"No rendered frame: turn {k + 1}: the replayed observation differs from the recorded one" in page
+    page = (tmp_path / "site" / "step_000002" / "traj_0001.html").read_text()
+    assert "<img" not in page and "gave a different initial observation" in page
+    # Without config.yaml the env's default config is tried, and still verified (SimpleSokoban = the defaults).
+    (run / "config.yaml").unlink()
+    build_site(run, tmp_path / "site2")
+    page = (tmp_path / "site2" / "step_000002" / "traj_0002.html").read_text()
+    assert len(_pngs(page)) == len(record["turns"]) + 1
+
+
+def test_sokoban_frames_in_headless_chromium(sokoban_run, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install -y chromium) - browser check skipped")
+    run, records = sokoban_run
+    build_site(run, tmp_path / "site")
+    page = tmp_path / "site" / "step_000001" / "traj_0000.html"
+    shot = tmp_path / "shot.png"
+    done = _chromium(page.resolve().as_uri(), tmp_path / "profile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert dom.count('<img class="render" src="data:image/png;base64,') == len(records[0]["turns"]) + 1
+    # A blocked or broken image would be logged on the console (CSP violations are).
+    errors = [line for line in done.stderr.splitlines() if "Uncaught" in line or "CONSOLE" in line]
+    assert not errors, errors
+    # The browser really decodes and paints the PNGs: the wall mortar colour exists only in the images.
+    shot_run = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+         f"--user-data-dir={tmp_path / 'profile2'}", "--window-size=1200,900", "--hide-scrollbars",
+         f"--screenshot={shot}", page.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shot_run.returncode == 0 and shot.is_file(), shot_run.stderr[-2000:]
+    Image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    with Image.open(shot) as img:
+        pixels = np.asarray(img.convert("RGB")).reshape(-1, 3)
+    assert (pixels == (112, 112, 112)).all(axis=1).sum() > 50
