@@ -1,0 +1,143 @@
+"""Where a run's per-step metrics go: ``trainer.logger`` (see ``docs/logging.md``).
+
+Every logger takes the trainer's metrics dict of one step (the same dict that becomes a line of
+``metrics.jsonl``) and the step number. ``metrics.jsonl`` is always written, listed or not: the
+viewer, ``ragen plot`` and ``--resume`` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ragen.config import RunConfig
+
+#: Accepted names of ``trainer.logger``.
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+WANDB_MISSING = ("config key 'trainer.logger': 'wandb' needs the wandb package, which is not installed "
+                 "(pip install 'ragen[wandb]', or drop wandb from trainer.logger)")
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def unknown_loggers(names: list[str]) -> list[str]:
+    return [n for n in names if n not in LOGGERS]
+
+
+def require_logger_packages(names: list[str]) -> None:
+    """Raise :class:`~ragen.config.ConfigError` (exit 2 in the CLI) when a requested logger's package is missing."""
+    from ragen.config import ConfigError
+
+    if "wandb" in names:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(WANDB_MISSING) from None
+    if "tensorboard" in names:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ConfigError("config key 'trainer.logger': 'tensorboard' needs the tensorboard package "
+                              "(pip install tensorboard)") from None
+
+
+def build_loggers(config: "RunConfig", run_dir: Path, metrics_path: Path, resume_step: int | None = None) -> list[Logger]:
+    """The loggers ``config.trainer.logger`` asks for, JSONL first and always.
+
+    ``resume_step``: the checkpoint step a resumed run continues from (None = a fresh run);
+    loggers drop or overwrite what they hold for later steps.
+    """
+    names = config.trainer.logger
+    require_logger_packages(names)
+    loggers: list[Logger] = [JsonlLogger(metrics_path)]
+    if "tensorboard" in names:
+        loggers.append(TensorBoardLogger(run_dir / "tensorboard", resume_step))
+    if "wandb" in names:
+        loggers.append(WandbLogger(config, run_dir, resume_step))
+    # "console": the progress bar and validation lines the trainer prints itself (no extra output).
+    return loggers
+
+
+def numeric(metrics: dict) -> dict[str, float]:
+    """The scalar metrics other than ``step`` (bools count as 0/1; strings and the like are skipped)."""
+    return {k: float(v) for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
+
+
+class JsonlLogger:
+    """``RUN_DIR/metrics.jsonl``: the metrics dict of each step as one JSON line, appended."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        line = metrics if "step" in metrics else {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    """Scalars under ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``).
+
+    On resume, ``purge_step`` makes TensorBoard drop the events a killed run wrote after its
+    checkpoint, so every step appears once. Flushed after every step (steps take seconds).
+    """
+
+    def __init__(self, log_dir: Path, resume_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=None if resume_step is None else resume_step + 1)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in numeric(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Weights & Biases, files under ``RUN_DIR/wandb``; offline unless ``WANDB_API_KEY`` or ``WANDB_MODE`` says otherwise.
+
+    The run id is kept in ``RUN_DIR/wandb/ragen_run_id`` so ``--resume`` continues the same wandb run.
+    """
+
+    def __init__(self, config: "RunConfig", run_dir: Path, resume_step: int | None = None):
+        from dataclasses import asdict
+
+        try:
+            import wandb
+        except ImportError:
+            from ragen.config import ConfigError
+
+            raise ConfigError(WANDB_MISSING) from None
+        root = run_dir / "wandb"
+        root.mkdir(parents=True, exist_ok=True)
+        id_file = root / "ragen_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        # No WANDB_MODE and no API key: this machine cannot log in, so record offline (`wandb sync` later).
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "ragen"), name=run_dir.name, id=run_id, resume="allow",
+            dir=str(run_dir), mode=mode, config=asdict(config),
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(numeric(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
