@@ -83,10 +83,10 @@ class TrainTagConfig:
 
 @dataclass
 class ValTagConfig:
-    """One entry of ``es.val``: ``episodes`` held-out episodes of tag ``tag``."""
+    """One entry of ``es.val``: ``episodes`` held-out episodes of tag ``tag`` (0 = ``trainer.val_episodes``)."""
 
     tag: str = ""
-    episodes: int = 64
+    episodes: int = 0
 
 
 @dataclass
@@ -330,8 +330,8 @@ def validate_env_sets(config: RunConfig) -> None:
         if entry.groups < 1:
             raise ConfigError(f"config key 'es.train[{i}].groups': must be >= 1 (tag {entry.tag!r})")
     for i, entry in enumerate(es.val):
-        if entry.episodes < 1:
-            raise ConfigError(f"config key 'es.val[{i}].episodes': must be >= 1 (tag {entry.tag!r})")
+        if entry.episodes < 0:
+            raise ConfigError(f"config key 'es.val[{i}].episodes': must be >= 0, 0 = trainer.val_episodes (tag {entry.tag!r})")
     for key, entries in (("es.train", es.train), ("es.val", es.val)):
         names = [e.tag for e in entries]
         repeated = sorted({n for n in names if names.count(n) > 1})

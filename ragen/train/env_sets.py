@@ -86,5 +86,5 @@ def val_sets(config: RunConfig) -> list[TagSet]:
     out = []
     for entry in config.es.val:
         tag = resolve_tag(entry.tag, user)
-        out.append(TagSet(tag, tag_settings(config, tag), entry.episodes))
+        out.append(TagSet(tag, tag_settings(config, tag), entry.episodes or config.trainer.val_episodes))
     return out

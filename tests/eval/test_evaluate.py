@@ -54,7 +54,8 @@ def test_ragen_eval_tiny_json_report(tmp_path, capsys):
     assert report["baselines"]["expert"]["success"] == 1.0  # the oracle always pulls the high arm
     assert [t["seed"] for t in report["examples"]["greedy"]] == [VAL_SEED_BASE + i for i in range(3)]
     table = capsys.readouterr().out
-    for label in ("model, greedy", "model, T=0.7 x3", "random agent", "expert agent (oracle)", "pass@2"):
+    preset_t = load_config("bandit").rollout.temperature
+    for label in ("model, greedy", f"model, T={preset_t:g} x3", "random agent", "expert agent (oracle)", "pass@2"):
         assert label in table
 
 

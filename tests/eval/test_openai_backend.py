@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from ragen.cli import main
+from ragen.config import load_config
 from ragen.models import SamplingParams
 from ragen.models.openai_backend import OpenAIChatBackend, OpenAIConfigError, OpenAIError
 
@@ -105,7 +106,7 @@ def test_ragen_eval_openai_model_solves_bandit(api, monkeypatch, tmp_path, capsy
 
     greedy, sampled = api.bodies[0], api.bodies[-1]
     assert greedy["model"] == "fake-model" and greedy["temperature"] == 0.0
-    assert sampled["temperature"] == pytest.approx(0.7)  # the bandit preset's rollout.temperature
+    assert sampled["temperature"] == pytest.approx(load_config("bandit").rollout.temperature)  # the preset's
     assert greedy["stop"] == ["</answer>"] and greedy["max_tokens"] == 16 and greedy["top_p"] == 1.0
     assert [m["role"] for m in greedy["messages"]] == ["system", "user"]
     assert "Answer format: <answer>...</answer>" in greedy["messages"][1]["content"]

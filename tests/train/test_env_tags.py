@@ -46,6 +46,7 @@ def test_required_presets_exist():
         (["es.tags={Mine: {env: bandit, max_turn: 0}}"], "env tag 'Mine': max_turn must be an int >= 1"),
         (["es.tags={Mine: {env: bandit, colour: red}}"], "es.tags.Mine.colour"),
         (["es.train=[{tag: Bandit, groups: 0}]"], "es.train[0].groups"),
+        (["es.val=[{tag: Bandit, episodes: -1}]"], "es.val[0].episodes"),
         (["es.train=[{tag: Bandit, groups: 1}, {tag: Bandit, groups: 2}]"], "env tag 'Bandit' is listed twice"),
         (["agent.think_reward=0.1", "agent.enable_think=false"], "agent.think_reward"),
     ],
@@ -56,6 +57,13 @@ def test_bad_tags_exit_2_naming_the_tag(overrides, message, capsys, tmp_path):
     assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_val_entries_without_a_count_use_trainer_val_episodes():
+    config = load_config(None, ["es.val=[{tag: Bandit}, {tag: BanditTest, episodes: 3}]", "trainer.val_episodes=5"])
+    assert [(s.tag.name, s.count) for s in val_sets(config)] == [("Bandit", 5), ("BanditTest", 3)]
+    preset = load_config("bandit", ["trainer.val_episodes=2"])  # the main job's preset follows the override
+    assert [(s.tag.name, s.count) for s in val_sets(preset)] == [("Bandit", 2), ("BanditTest", 2)]
 
 
 def test_user_tag_overrides_a_preset_and_inherits_the_agent_section():
