@@ -14,6 +14,7 @@ from ragen.envs import sokoban as _sokoban  # noqa: E402,F401
 from ragen.envs import frozen_lake as _frozen_lake  # noqa: E402,F401
 from ragen.envs import countdown as _countdown  # noqa: E402,F401
 from ragen.envs import sudoku as _sudoku  # noqa: E402,F401
+from ragen.envs import game2048 as _game2048  # noqa: E402,F401
 from ragen.envs import math_qa as _math_qa  # noqa: E402,F401
 
 __all__ = ["TextEnv", "build_config", "make", "register", "registered", "env_config_fields"]

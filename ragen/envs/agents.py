@@ -19,6 +19,9 @@ The expert per env:
   is slippery, since the next state is random);
 * ``countdown`` -- :func:`ragen.envs.countdown.solve` (brute force over expressions);
 * ``sudoku`` -- :func:`ragen.envs.sudoku.solve` (backtracking) on the current grid;
+* ``game2048`` -- :func:`ragen.envs.game2048.best_move` (a deterministic heuristic, not a
+  solver: two-move lookahead with the corner strategy; one move per turn, since the next
+  tile is random);
 * ``bandit`` -- the arm with the higher expected payoff (``env.high_action``);
 * ``math_qa`` -- the stored gold answer;
 * any other env -- its ``expert_actions()`` method if it has one (see
@@ -100,6 +103,7 @@ class ExpertAgent(Agent):
         from ragen.envs.bandit import BanditEnv
         from ragen.envs.countdown import CountdownEnv
         from ragen.envs.frozen_lake import FrozenLakeEnv
+        from ragen.envs.game2048 import Game2048Env
         from ragen.envs.math_qa import MathQAEnv
         from ragen.envs.sokoban import SokobanEnv
         from ragen.envs.sudoku import SudokuEnv
@@ -119,6 +123,10 @@ class ExpertAgent(Agent):
             return [expr if expr is not None else str(env.numbers[0])]
         if isinstance(env, SudokuEnv):
             return self._sudoku(env)
+        if isinstance(env, Game2048Env):
+            from ragen.envs.game2048 import best_move
+
+            return [env.action_lookup[best_move(env.board)]]
         if isinstance(env, BanditEnv):
             return [env.action_lookup[env.high_action]]
         if isinstance(env, MathQAEnv):
