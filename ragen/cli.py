@@ -56,7 +56,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     except ValueError as exc:  # env/algorithm config rejected by its owner: the message names the key
         return _fail(str(exc))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        from ragen.train.distributed import close_distributed
+
+        close_distributed()  # under torchrun: leave the process group cleanly
     return 0
 
 

@@ -28,6 +28,7 @@ from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate
+from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
 from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
@@ -44,6 +45,9 @@ VAL_SEED_BASE = 2**31
 class StarPOTrainer:
     def __init__(self, config: RunConfig, resume: bool = False):
         self.config = config
+        # torchrun: every rank holds the whole model; rank 0 alone rolls out, validates and writes files
+        self.rank, self.world = init_distributed()
+        self.is_main = self.rank == 0
         self.run_dir = self._make_run_dir(resume)
         self.start_step = 0
         require_logger_packages(config.trainer.logger)  # a missing wandb fails before the model loads
@@ -95,10 +99,12 @@ class StarPOTrainer:
                            do_sample=t.val_do_sample, stop=stop),
         )
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        if self.is_main:
+            (self.run_dir / "config.yaml").write_text(to_yaml(config))
         if resume:
             self._resume()
-        self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None)
+        self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None) if self.is_main else []
+        barrier()  # no rank writes the run dir before every rank has checked it
 
     # ================================ the algorithm ===================================
 
@@ -113,11 +119,11 @@ class StarPOTrainer:
             self.log({"step": 0, **val})
             self.report_validation("before training", val)
 
-        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar, initial=self.start_step)
+        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             # -- StarPO rollout stage: every group plays from its own seed ---------------
-            trajectories = self.rollout(step)
+            trajectories = broadcast_object(self.rollout(step) if self.is_main else None)  # identical batch on every rank
             t1 = time.perf_counter()
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
@@ -137,6 +143,7 @@ class StarPOTrainer:
             for warning in self.collapse_monitor.check(metrics):
                 bar.write(f"[ragen] collapse warning at step {step}: {warning}")
             stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
+            interrupt.requested, stop = broadcast_object((interrupt.requested, stop))  # ranks leave the loop together
             if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
                 self.save_rollouts(step, trajectories)
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested or stop:
@@ -160,6 +167,8 @@ class StarPOTrainer:
         self.close_loggers()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
             summary["val_after"] = self.validate()
+        if not self.is_main:  # nothing to write: rank 0 saves, plots and summarises
+            return {**summary, "wall_time_s": time.perf_counter() - start}
         if cfg.trainer.save_final:
             self.save(self.run_dir / "final")
         if cfg.trainer.plot:
@@ -217,7 +226,7 @@ class StarPOTrainer:
         self.model.train()
         history: list[dict[str, float]] = []
         for _ in range(alg.ppo_epochs):
-            order = torch.randperm(len(batch))
+            order = broadcast_object(torch.randperm(len(batch)))  # rank 0's draw: the same mini-batches on every rank
             for start in range(0, len(batch), mini):
                 index = order[start : start + mini]
                 history.append(self.optimizer_step(batch.select(index), targets.select(index)))
@@ -242,16 +251,20 @@ class StarPOTrainer:
 
         Each micro-batch's aggregated loss is weighted by its share of the mini-batch's
         tokens (token-mean) or sequences (seq-mean-*), so accumulation equals one big pass.
+        Under torchrun each rank runs only its slice of ``batch`` with the same global
+        denominators, and gradients/metrics are summed over ranks (``ragen/train/distributed.py``).
         """
         alg = self.config.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = batch.response_mask.sum().clamp(min=1)
+        total_tokens = batch.response_mask.sum().clamp(min=1)  # global: every rank holds the whole mini-batch
+        mine = shard(len(batch), *rank_world())
+        local, local_targets = batch.select(mine), targets.select(mine)
         sums: dict[str, float] = {}
-        for start in range(0, len(batch), alg.micro_batch_size):
+        for start in range(0, len(local), alg.micro_batch_size):
             rows = slice(start, start + alg.micro_batch_size)
-            micro = batch.select(rows).trim()
+            micro = local.select(rows).trim()
             T = micro.response_mask.shape[1]
-            tgt = targets.select(rows, T)
+            tgt = local_targets.select(rows, T)
             with autocast(self.config.trainer.precision):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
@@ -281,6 +294,8 @@ class StarPOTrainer:
             (loss * share).backward()
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * float(share)
+        all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
+        sums = reduce_metrics(sums, "sum")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -344,6 +359,8 @@ class StarPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Every validation tag on its fixed held-out seeds ``VAL_SEED_BASE + i``, one batch; ``val/…`` and ``val/<tag>/…``."""
+        if not self.is_main:  # under torchrun rank 0 validates; the others have nothing to log
+            return {}
         seeds = [VAL_SEED_BASE + i for s in self.val_sets for i in range(s.count)]
         slots = self.val_slots
         trajectories = self.val_rollout.run(slots.envs, seeds, list(range(len(seeds))), slots.env_names,
@@ -352,6 +369,8 @@ class StarPOTrainer:
 
     def report_validation(self, when: str, metrics: dict[str, float], write=None) -> None:
         """One console line; with several tags (validation or training) a per-tag table below it."""
+        if not self.is_main:
+            return
         write = write or (lambda line: print(line, flush=True))
         write(f"[ragen] validation {when}: {fmt(metrics)}")
         if len(self.val_sets) > 1 or len(self.train_sets) > 1:
@@ -367,7 +386,9 @@ class StarPOTrainer:
             return f"not drawn: {exc}"
 
     def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
-        """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL)."""
+        """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL); rank 0 only."""
+        if not self.is_main:
+            return None
         rows = {}
         if self.last_advantages is not None:
             trained, advantages = self.last_advantages
@@ -417,7 +438,9 @@ class StarPOTrainer:
             named.update({f"value_head.{n}": p for n, p in self.value_head.named_parameters()})
         return named
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int) -> Path | None:
+        if not self.is_main:  # ranks hold identical weights and optimizer state
+            return None
         return save_checkpoint(self.run_dir, step, self.checkpoint_tensors(), self.optimizer, self.scheduler,
                                self.seed_rng, extra={}, keep=self.config.trainer.keep_checkpoints)
 
@@ -440,6 +463,8 @@ class StarPOTrainer:
         # Steps after the checkpoint were lost with the process: drop their lines, keep the rest.
         lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
         kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.start_step]
+        if not self.is_main:
+            return
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
         print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
 
@@ -447,14 +472,15 @@ class StarPOTrainer:
         out = self.config.trainer.output_dir
         if not out:
             name = "+".join(s.name for s in train_sets(self.config))[:60]
-            out = f"runs/{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+            out = broadcast_object(f"runs/{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")  # rank 0's clock
             self.config.trainer.output_dir = out
         path = Path(out)
         if resume:
             return path
         if (path / "metrics.jsonl").exists():
             raise FileExistsError(f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir")
-        path.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
 
