@@ -28,7 +28,7 @@ import torch
 from ragen.models import apply_lora, autocast, load_model
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
-from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
+from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
 from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
 
@@ -201,24 +201,9 @@ class SFTTrainer:
                                self.seed_rng, extra={"kind": "sft"}, keep=self.config.trainer.keep_checkpoints)
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
-        if found is None:
-            raise FileNotFoundError(f"no valid checkpoint under {self.run_dir / 'checkpoints'} to resume from")
-        path, ckpt = found
-        named = self.checkpoint_tensors()
-        missing = set(named) - set(ckpt["params"])
-        if missing:
-            raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for name, param in named.items():
-                param.copy_(ckpt["params"][name])
-        restore_optimizer(self.optimizer, named, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
-        self.scheduler.load_state_dict(ckpt["state"]["scheduler"])
-        restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], self.seed_rng)
-        self.start_step = ckpt["state"]["step"]
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.start_step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
+                                               self.scheduler, self.seed_rng)
+        truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
 
     def _make_run_dir(self, resume: bool) -> Path:

@@ -103,6 +103,36 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+def restore_latest(run_dir: Path, named_params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                   scheduler, seed_rng: np.random.Generator) -> tuple[Path, int]:
+    """Load the newest valid checkpoint of ``run_dir`` into params, optimizer, schedule and RNGs; returns (path, step).
+
+    Raises ``FileNotFoundError`` if there is none and ``ValueError`` if it does not hold every
+    trainable parameter of this model (a different model or LoRA setting).
+    """
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
+    path, ckpt = found
+    missing = set(named_params) - set(ckpt["params"])
+    if missing:
+        raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for name, param in named_params.items():
+            param.copy_(ckpt["params"][name])
+    restore_optimizer(optimizer, named_params, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
+    scheduler.load_state_dict(ckpt["state"]["scheduler"])
+    restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], seed_rng)
+    return path, int(ckpt["state"]["step"])
+
+
+def truncate_metrics(metrics_path: Path, last_step: int) -> None:
+    """Drop the lines of steps after ``last_step`` (lost with the killed process); keep the rest."""
+    lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+
+
 def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor],
                       tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
     names = list(named_params)

@@ -29,7 +29,7 @@ from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_m
 from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate
 from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
-from ragen.train.checkpoint import latest_checkpoint, restore_optimizer, restore_rng, save_checkpoint
+from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward
@@ -445,27 +445,11 @@ class StarPOTrainer:
                                self.seed_rng, extra={}, keep=self.config.trainer.keep_checkpoints)
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
-        if found is None:
-            raise FileNotFoundError(f"no valid checkpoint under {self.run_dir / 'checkpoints'} to resume from")
-        path, ckpt = found
-        named = self.checkpoint_tensors()
-        missing = set(named) - set(ckpt["params"])
-        if missing:
-            raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for name, param in named.items():
-                param.copy_(ckpt["params"][name])
-        restore_optimizer(self.optimizer, named, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
-        self.scheduler.load_state_dict(ckpt["state"]["scheduler"])
-        restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], self.seed_rng)
-        self.start_step = ckpt["state"]["step"]
-        # Steps after the checkpoint were lost with the process: drop their lines, keep the rest.
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.start_step]
+        path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
+                                               self.scheduler, self.seed_rng)
         if not self.is_main:
             return
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
 
     def _make_run_dir(self, resume: bool) -> Path:
