@@ -53,6 +53,13 @@ class AgentConfig:
     #: Shaped reward per turn whose ``<prediction>`` (inside ``<think>``) equals the env's next
     #: observation exactly (VAGEN's world modelling; 0 = off; when on the prompt asks for it).
     prediction_reward: float = 0.0
+    #: What each turn's prompt holds: ``full`` = the whole episode so far, and the episode is one
+    #: training sample (RAGEN's default); ``window`` = the env's instructions plus only the last
+    #: ``max_context_window`` turns, and every turn is its own training sample (verl-agent style,
+    #: for long horizons). See docs/context_modes.md.
+    context_mode: str = "full"
+    #: Past turns (observation + answer) kept in a ``window`` prompt; 0 = the current observation only.
+    max_context_window: int = 2
 
 
 @dataclass
@@ -159,7 +166,8 @@ class AlgorithmConfig:
     loss_agg_mode: str = "token-mean"
     #: Passes over one rollout batch.
     ppo_epochs: int = 1
-    #: Sequences per optimizer step (0 = the whole rollout batch).
+    #: Training samples per optimizer step (0 = the whole rollout batch). A sample is an episode
+    #: (``agent.context_mode=full``) or one turn (``window``).
     mini_batch_size: int = 0
     #: Sequences per forward/backward pass (gradient accumulation inside a mini-batch).
     micro_batch_size: int = 16
@@ -282,6 +290,9 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     return config
 
 
+CONTEXT_MODES = ("full", "window")
+
+
 def validate(config: RunConfig) -> None:
     """Cross-field checks that types alone cannot express."""
 
@@ -295,6 +306,8 @@ def validate(config: RunConfig) -> None:
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
     need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
+    need(config.agent.context_mode in CONTEXT_MODES, "agent.context_mode", f"must be one of {', '.join(CONTEXT_MODES)}")
+    need(config.agent.max_context_window >= 0, "agent.max_context_window", "must be >= 0 (past turns kept in a window prompt)")
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")

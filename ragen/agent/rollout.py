@@ -45,6 +45,10 @@ class AgentSettings:
     #: Shaped reward for a ``<prediction>`` equal to the env's next observation (0 = off; when on,
     #: the prompt asks for one inside ``<think>``).
     prediction_reward: float = 0.0
+    #: ``full``: each prompt is the whole episode so far; ``window``: the instructions plus the last
+    #: ``max_context_window`` turns (the trajectory then records each turn's prompt, ``window_prompts``).
+    context_mode: str = "full"
+    max_context_window: int = 2
 
 
 class _Protocol:
@@ -68,6 +72,25 @@ class _Episode:
     protocol: _Protocol
     #: The env's latest observation text (repeated after an invalid answer).
     observation: str = ""
+    #: The env's instructions as the first prompt gave them (repeated atop every window prompt).
+    instructions: str = ""
+
+    @property
+    def windowed(self) -> bool:
+        return self.settings.context_mode == "window"
+
+    def prompt_ids(self) -> list[int]:
+        """What the model sees this turn: the whole sequence so far, or this turn's window prompt."""
+        return self.traj.window_prompts[-1] if self.windowed else self.traj.input_ids
+
+    def prompt_messages(self) -> list[dict]:
+        """The chat messages behind :meth:`prompt_ids` (for backends that take messages)."""
+        return window_messages(self.messages, self.settings.max_context_window, self.header) if self.windowed else self.messages
+
+    @property
+    def header(self) -> str:
+        """The first prompt's preamble: the env's rules and the answer format."""
+        return f"{self.instructions}\n{self.protocol.format.format_instruction()}"
 
     @property
     def settings(self) -> AgentSettings:
@@ -128,9 +151,9 @@ class Rollout:
             active = [ep for ep in episodes if not ep.traj.done]
             if not active:
                 break
-            prompts = [ep.traj.input_ids for ep in active]
+            prompts = [ep.prompt_ids() for ep in active]
             if getattr(self.backend, "wants_messages", False):  # chat APIs take messages, not token ids
-                generations = self.backend.generate(prompts, self.sampling, messages=[ep.messages for ep in active])
+                generations = self.backend.generate(prompts, self.sampling, messages=[ep.prompt_messages() for ep in active])
             else:
                 generations = self.backend.generate(prompts, self.sampling)
             for ep, gen in zip(active, generations):
@@ -156,7 +179,10 @@ class Rollout:
         messages.append({"role": "user", "content": user})
         traj.initial_observation = observation
         self._append(traj, self.chat.prompt_ids(messages) + protocol.prefix_ids, model_wrote=False)
-        return _Episode(env, traj, messages, actions_left, protocol, observation)
+        episode = _Episode(env, traj, messages, actions_left, protocol, observation, instructions)
+        if episode.windowed:  # the first window is the first prompt itself
+            traj.window_prompts.append(traj.input_ids[:])
+        return episode
 
     def _take_turn(self, ep: _Episode, token_ids: list[int], finish_reason: str, last_turn: bool) -> None:
         traj, settings = ep.traj, ep.settings
@@ -204,6 +230,8 @@ class Rollout:
         ids = self.chat.next_turn_ids(ep.messages, next_user, finish_reason) + ep.protocol.prefix_ids
         ep.messages += [{"role": "assistant", "content": text}, next_user]
         self._append(traj, ids, model_wrote=False)
+        if ep.windowed:
+            traj.window_prompts.append(self.chat.prompt_ids(ep.prompt_messages()) + ep.protocol.prefix_ids)
 
     def _step(self, ep: _Episode, action_ids: list[int], turn: Turn) -> str:
         """Step the env with each action in turn; return the final observation text."""
@@ -243,3 +271,19 @@ class Rollout:
     def _append(traj: Trajectory, ids: list[int], model_wrote: bool) -> None:
         traj.input_ids.extend(ids)
         traj.loss_mask.extend([int(model_wrote)] * len(ids))
+
+
+def window_messages(messages: list[dict], window: int, header: str) -> list[dict]:
+    """A ``window`` prompt's messages: the system message, then the last ``window`` turns
+    (user + assistant pairs) and the current user message.
+
+    ``messages`` is the whole conversation, ending with the user message to answer. When the
+    first user message falls outside the window, ``header`` (the env's rules and the answer
+    format) is put atop the oldest kept user message, so every prompt states the task.
+    """
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    dialogue = messages[len(system):]
+    kept = dialogue[-(2 * window + 1):]
+    if len(kept) < len(dialogue):
+        kept = [{**kept[0], "content": f"{header}\n\n{kept[0]['content']}"}] + kept[1:]
+    return system + kept

@@ -59,8 +59,11 @@ class Trajectory:
     done: bool = False
     #: Set when the env raised: the episode is reported and left out of the update.
     error: str = ""
-    #: Log-probs of the model-written tokens under the sampling policy, filled by the trainer.
-    old_logprobs: list[float] | None = None
+    #: ``agent.context_mode=window`` only: ``window_prompts[k]`` are the exact ids turn ``k`` was
+    #: generated from (instructions + the last turns); the turn's training sample is
+    #: ``window_prompts[k] + input_ids[turn_spans[k][0]:turn_spans[k][1]]``. ``input_ids`` still
+    #: holds the whole episode (for advantages, the viewer and SFT).
+    window_prompts: list[list[int]] = field(default_factory=list)
 
     @property
     def reward(self) -> float:

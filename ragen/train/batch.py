@@ -81,6 +81,73 @@ def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> 
     )
 
 
+@dataclass
+class TurnIndex:
+    """Where each model-written target sits in two layouts of the same tokens (``context_mode=window``).
+
+    *Episode* layout: :func:`collate` of the trajectories, one row per episode (its whole
+    history). *Turn* layout: :func:`collate_turns`, one row per turn (window prompt + that
+    turn's reply). Entry ``i`` maps target ``(turn_row[i], turn_pos[i])`` to
+    ``(episode_row[i], episode_pos[i])``; every masked target of either layout appears once.
+    Advantages are computed in the episode layout (so group statistics count episodes, and
+    token-level estimators chain across turns) and read out in the turn layout.
+    """
+
+    turn_row: torch.Tensor  # (N,) long
+    turn_pos: torch.Tensor  # (N,) long
+    episode_row: torch.Tensor  # (N,) long
+    episode_pos: torch.Tensor  # (N,) long
+
+    def to_turns(self, episode_values: torch.Tensor, turn_shape: torch.Size) -> torch.Tensor:
+        """(B_episodes, T_e) → (B_turns, T_t); zero off the response targets."""
+        out = episode_values.new_zeros(turn_shape)
+        out[self.turn_row, self.turn_pos] = episode_values[self.episode_row, self.episode_pos]
+        return out
+
+    def to_episodes(self, turn_values: torch.Tensor, episode_shape: torch.Size) -> torch.Tensor:
+        """(B_turns, T_t) → (B_episodes, T_e); zero off the response targets."""
+        out = turn_values.new_zeros(episode_shape)
+        out[self.episode_row, self.episode_pos] = turn_values[self.turn_row, self.turn_pos]
+        return out
+
+
+def collate_turns(trajectories: list[Trajectory], pad_id: int) -> tuple[TrainBatch, TurnIndex]:
+    """One training row per non-empty turn: ``window_prompts[k]`` + the turn's sampled ids.
+
+    Only the fields the update reads per row are filled (ids, masks, group ids); rewards,
+    anchors and returns stay in the episode layout, where advantages are computed.
+    """
+    rows: list[tuple[list[int], int, int, int]] = []  # (ids, prompt length, episode, episode start)
+    for e, traj in enumerate(trajectories):
+        if len(traj.window_prompts) < len(traj.turn_spans):
+            raise ValueError(f"trajectory {e} has {len(traj.turn_spans)} turns but {len(traj.window_prompts)} window "
+                             "prompts: it was not played with agent.context_mode=window")
+        for (start, end), prompt in zip(traj.turn_spans, traj.window_prompts):
+            if end > start:
+                rows.append((prompt + traj.input_ids[start:end], len(prompt), e, start))
+    B, L = len(rows), max(len(ids) for ids, *_ in rows)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    response_mask = torch.zeros((B, L - 1))
+    index: list[list[int]] = [[], [], [], []]
+    for r, (ids, p, e, start) in enumerate(rows):
+        n = len(ids)
+        input_ids[r, :n] = torch.tensor(ids)
+        attention_mask[r, :n] = 1
+        response_mask[r, p - 1 : n - 1] = 1  # target t scores token t + 1
+        for i in range(n - p):
+            index[0].append(r), index[1].append(p - 1 + i), index[2].append(e), index[3].append(start - 1 + i)
+    zeros = torch.zeros((B, L - 1))
+    batch = TrainBatch(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, token_rewards=zeros,
+        turn_rewards=zeros.clone(), turn_ends=zeros.bool(),
+        group_ids=torch.tensor([trajectories[e].group_id for _, _, e, _ in rows], dtype=torch.long),
+        scores=torch.tensor([trajectories[e].reward for _, _, e, _ in rows], dtype=torch.float),
+        anchor_ids=torch.full((B, L - 1), -1, dtype=torch.long), step_returns=zeros.clone(),
+    )
+    return batch, TurnIndex(*(torch.tensor(x, dtype=torch.long) for x in index))
+
+
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     """G_k = Σ_{j≥k} γ^{j-k} r_j for each turn k."""
     out, running = [0.0] * len(rewards), 0.0

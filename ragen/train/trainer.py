@@ -27,7 +27,7 @@ from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.freeze import train_top_layers
-from ragen.train.batch import TrainBatch, collate
+from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
@@ -197,22 +197,30 @@ class StarPOTrainer:
         if not usable:
             return {"actor/skipped_update": 1.0}
         usable, metrics = self.uncertainty_filter(usable)
-        batch = collate(usable, self.backend.pad_id, gamma=alg.gamma)
-        mini = alg.mini_batch_size or len(batch)
+        batch = collate(usable, self.backend.pad_id, gamma=alg.gamma)  # one row per episode: advantages live here
+        # What the policy trains on: the episodes themselves, or (context_mode=window) one row per turn.
+        if self.config.agent.context_mode == "window":
+            samples, turn_index = collate_turns(usable, self.backend.pad_id)
+            to_samples = lambda x: turn_index.to_turns(x, samples.response_mask.shape)  # noqa: E731
+            to_episodes = lambda x: turn_index.to_episodes(x, batch.response_mask.shape)  # noqa: E731
+        else:
+            samples, to_samples, to_episodes = batch, (lambda x: x), (lambda x: x)
+        mini = alg.mini_batch_size or len(samples)
         # π_old is needed only when the policy moves between updates on this batch; values,
         # reference log-probs likewise come from one scoring pass before any update.
-        moves = alg.ppo_epochs > 1 or mini < len(batch)
-        scored = self.score(batch, policy=moves or self.uses_kl, values=self.value_head is not None, ref=self.uses_kl)
+        moves = alg.ppo_epochs > 1 or mini < len(samples)
+        scored = self.score(samples, policy=moves or self.uses_kl, values=self.value_head is not None, ref=self.uses_kl)
+        per_episode = {k: to_episodes(v) for k, v in scored.items()}
         token_rewards = batch.turn_rewards if alg.use_turn_rewards else batch.token_rewards
         if alg.use_kl_in_reward:
-            kl = kl_penalty(scored["logprobs"], scored["ref_logprobs"], alg.kl_type) * batch.response_mask
+            kl = kl_penalty(per_episode["logprobs"], per_episode["ref_logprobs"], alg.kl_type) * batch.response_mask
             token_rewards = token_rewards - alg.kl_coef * kl
             metrics["actor/kl_in_reward"] = float(masked_mean(kl, batch.response_mask))
         adv = per_tag_advantages(  # never across tags: see ragen/train/per_tag.py
             self.adv_estimator,
             AdvantageInputs(
                 token_rewards=token_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
-                values=scored.get("values"), turn_ends=batch.turn_ends, gamma=alg.gamma, lam=alg.lam,
+                values=per_episode.get("values"), turn_ends=batch.turn_ends, gamma=alg.gamma, lam=alg.lam,
                 high_level_gamma=alg.high_level_gamma, norm_adv_by_std=alg.norm_adv_by_std,
                 anchor_ids=batch.anchor_ids, step_returns=batch.step_returns, gigpo_step_weight=alg.gigpo_step_weight,
             ),
@@ -220,16 +228,17 @@ class StarPOTrainer:
         )
         self.last_advantages = (usable, adv.advantages)
         targets = UpdateTargets(
-            advantages=adv.advantages, returns=adv.returns, old_logprobs=scored.get("logprobs") if moves else None,
+            advantages=to_samples(adv.advantages), returns=to_samples(adv.returns),
+            old_logprobs=scored.get("logprobs") if moves else None,
             old_values=scored.get("values"), ref_logprobs=scored.get("ref_logprobs"),
         )
         self.model.train()
         history: list[dict[str, float]] = []
         for _ in range(alg.ppo_epochs):
-            order = broadcast_object(torch.randperm(len(batch)))  # rank 0's draw: the same mini-batches on every rank
-            for start in range(0, len(batch), mini):
+            order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
+            for start in range(0, len(samples), mini):
                 index = order[start : start + mini]
-                history.append(self.optimizer_step(batch.select(index), targets.select(index)))
+                history.append(self.optimizer_step(samples.select(index), targets.select(index)))
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics.update(adv.metrics)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
