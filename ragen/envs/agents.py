@@ -295,7 +295,8 @@ def record_conversation(
     limit = settings.max_actions_per_traj
     actions_left = limit if limit > 0 else None
     messages = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
-    messages.append({"role": "user", "content": fmt.first_user_message(raw.instructions, observation, 1, actions_left)})
+    instructions = getattr(settings, "instructions", "") or raw.instructions  # an env tag may reword them
+    messages.append({"role": "user", "content": fmt.first_user_message(instructions, observation, 1, actions_left)})
     total, success = 0.0, False
     for turn in range(1, settings.max_turn + 1):
         actions = list(agent.act(env))[: settings.max_actions_per_turn]

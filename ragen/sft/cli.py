@@ -24,7 +24,7 @@ def _quiet() -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ragen.config import ConfigError, load_config
-    from ragen.sft.generate import expert_records, rollout_records, write_jsonl
+    from ragen.sft.generate import demo_target, expert_records, rollout_records, write_jsonl
 
     if args.n < 0 or (args.n == 0 and not args.from_run):
         return _fail(f"--n must be >= 1 (got {args.n}); with --from-run, 0 means every successful episode")
@@ -41,12 +41,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _fail("generate needs an env preset or YAML config (or --from-run RUN_DIR)")
     try:
         config = load_config(args.env, args.overrides)
+        env_name = demo_target(config)[0]
         stats: dict = {}
         count = write_jsonl(expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats), args.out)
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc))
     rate = stats["succeeded"] / max(1, stats["played"])
-    print(f"[ragen sft] wrote {count} expert episodes of {config.env.name} to {args.out} "
+    print(f"[ragen sft] wrote {count} expert episodes of {env_name} to {args.out} "
           f"({stats['played']} played, expert success {rate:.3f} under the agent's turn and action limits)")
     if count < args.n:
         print(f"[ragen sft] note: fewer than --n {args.n}: the expert failed too often within the limits", flush=True)

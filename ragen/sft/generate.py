@@ -80,9 +80,23 @@ class ReplayAgent(Agent):
         return list(actions)
 
 
+def demo_target(config: RunConfig) -> tuple[str, dict, AgentSettings]:
+    """(env name, env config, agent settings) that demonstrations are played with: the run's
+    training env exactly as ``ragen train`` would roll it out, i.e. its one ``es.train`` tag
+    (with the tag's horizon and instructions) or, without tags, ``env`` and ``agent``."""
+    from ragen.train.env_sets import train_sets
+
+    sets = train_sets(config)
+    if len(sets) != 1:
+        raise ValueError(f"SFT data comes from one env: es.train lists {len(sets)} tags "
+                         f"({', '.join(s.name for s in sets)}); keep one (es.train=[{{tag: NAME}}])")
+    tag = sets[0].tag
+    return tag.env, dict(tag.config), sets[0].settings
+
+
 def agent_settings(config: RunConfig) -> AgentSettings:
     """The rollout's agent settings for ``config`` (as :class:`ragen.train.trainer.StarPOTrainer` builds them)."""
-    return AgentSettings(**asdict(config.agent))
+    return demo_target(config)[2]
 
 
 def turn_actions(messages: list[dict], settings: AgentSettings) -> list[list[str]]:
@@ -98,18 +112,18 @@ def turn_actions(messages: list[dict], settings: AgentSettings) -> list[list[str
 
 def make_record(config: RunConfig, seed: int, episode: dict[str, Any], source: str, plans: list[list[str]]) -> dict[str, Any]:
     """One JSONL record (see the module docstring) from a :func:`record_conversation` result."""
-    settings = agent_settings(config)
+    env_name, env_config, settings = demo_target(config)
     return {
         "messages": episode["messages"],
-        "env": config.env.name,
-        "env_config": dict(config.env.config),
+        "env": env_name,
+        "env_config": env_config,
         "seed": int(seed),
         "source": source,
         "success": bool(episode["success"]),
         "reward": float(episode["reward"]),
         "actions": turn_actions(episode["messages"], settings),
         "plans": [list(p) for p in plans],
-        "agent": asdict(config.agent),
+        "agent": asdict(settings),
     }
 
 
@@ -123,8 +137,8 @@ def expert_records(config: RunConfig, n: int, *, keep_failures: bool = False, ma
     """
     stats = stats if stats is not None else {}
     stats.update(played=0, succeeded=0)
-    settings = agent_settings(config)
-    env = ragen.envs.make(config.env.name, **config.env.config)
+    env_name, env_config, settings = demo_target(config)
+    env = ragen.envs.make(env_name, **env_config)
     expert = PlanningExpert(max_actions_per_turn=settings.max_actions_per_turn)
 
     def think(env_: Any, actions: list[str]) -> str:
@@ -166,8 +180,8 @@ def rollout_records(run_dir: str | Path, n: int = 0) -> Iterator[dict]:
     same replies, e.g. within a group) are kept once. ``n > 0`` caps the count.
     """
     config = run_config(run_dir)
-    settings = agent_settings(config)
-    env = ragen.envs.make(config.env.name, **config.env.config)
+    env_name, env_config, settings = demo_target(config)
+    env = ragen.envs.make(env_name, **env_config)
     logs = sorted((Path(run_dir) / "rollouts").glob("*.jsonl"))
     if not logs:
         raise FileNotFoundError(f"{run_dir}: no rollouts/*.jsonl (set trainer.log_rollouts_freq / log_rollouts_n when training)")
@@ -226,4 +240,4 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 __all__ = ["PlanningExpert", "ReplayAgent", "expert_records", "rollout_records", "make_record", "write_jsonl", "read_jsonl",
-           "agent_settings", "turn_actions", "run_config", "SEED_BOUND"]
+           "agent_settings", "demo_target", "turn_actions", "run_config", "SEED_BOUND"]

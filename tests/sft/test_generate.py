@@ -160,3 +160,21 @@ def test_from_run_keeps_only_successful_well_formed_episodes(tmp_path):
     out = tmp_path / "rs.jsonl"
     assert main(["sft", "generate", "--from-run", str(run), "--out", str(out)]) == 0
     assert read_jsonl(out)[0]["messages"] == record["messages"]
+
+
+def test_generate_plays_the_runs_training_tag(tmp_path):
+    """A config that trains on an env tag (es.train) gets demonstrations of that tag: its env,
+    env config, horizon and instructions, worded as the rollout words them."""
+    tags = ("es.tags={Lake: {env: frozen_lake, config: {size: 4, is_slippery: false}, max_turn: 3, "
+            "max_actions_per_turn: 2, instructions: 'Reach G. Example answer: <answer>Down</answer>'}}")
+    config = load_config("bandit", [tags, "es.train=[{tag: Lake}]", "es.val=[{tag: Lake}]"])
+    records = list(expert_records(config, 3))
+    for record in records:
+        assert record["env"] == "frozen_lake" and record["env_config"] == {"size": 4, "is_slippery": False}
+        assert record["agent"]["max_turn"] == 3 and record["agent"]["max_actions_per_turn"] == 2
+        first_user = next(m["content"] for m in record["messages"] if m["role"] == "user")
+        assert first_user.startswith("Reach G. Example answer: <answer>Down</answer>\n")
+        assert len(record["actions"]) <= 3 and all(len(a) <= 2 for a in record["actions"])
+    two = load_config("bandit", [tags, "es.train=[{tag: Lake}, {tag: Bandit}]"])
+    with pytest.raises(ValueError, match="one env"):
+        next(expert_records(two, 1))
