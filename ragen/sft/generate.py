@@ -90,8 +90,11 @@ def demo_target(config: RunConfig) -> tuple[str, dict, AgentSettings]:
     if len(sets) != 1:
         raise ValueError(f"SFT data comes from one env: es.train lists {len(sets)} tags "
                          f"({', '.join(s.name for s in sets)}); keep one (es.train=[{{tag: NAME}}])")
-    tag = sets[0].tag
-    return tag.env, dict(tag.config), sets[0].settings
+    tag, settings = sets[0].tag, sets[0].settings
+    if settings.context_mode != "full":
+        raise ValueError("SFT data is whole-episode chats (agent.context_mode=full); per-turn window "
+                         "demonstrations for agent.context_mode=window are not implemented")
+    return tag.env, dict(tag.config), settings
 
 
 def agent_settings(config: RunConfig) -> AgentSettings:

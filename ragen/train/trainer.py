@@ -341,8 +341,8 @@ class StarPOTrainer:
 
     def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
         """Tokens before each row's first model-written token, when shared prompts run once (else None)."""
-        if not self.config.trainer.share_prompt_prefix:
-            return None
+        if not self.config.trainer.share_prompt_prefix or self.config.agent.context_mode == "window":
+            return None  # window rows share a prompt only at turn 1: sharing would cost extra passes, save nothing
         return batch.response_mask.argmax(dim=1) + 1  # target t predicts token t + 1
 
     @property

@@ -178,3 +178,8 @@ def test_generate_plays_the_runs_training_tag(tmp_path):
     two = load_config("bandit", [tags, "es.train=[{tag: Lake}, {tag: Bandit}]"])
     with pytest.raises(ValueError, match="one env"):
         next(expert_records(two, 1))
+
+
+def test_generate_refuses_window_mode():
+    with pytest.raises(ValueError, match="context_mode=window"):
+        next(expert_records(load_config("sokoban", ["agent.context_mode=window"]), 1))
