@@ -124,6 +124,15 @@ class RolloutConfig:
     top_k: int = 0
     #: Sequences per ``generate`` call.
     batch_size: int = 64
+    #: Where episodes are played: ``local`` (in the trainer's process) or ``ray`` (``num_workers``
+    #: Ray actors, each holding env slots and a policy replica; see docs/scaling.md).
+    backend: str = "local"
+    #: Ray rollout actors (``backend=ray``).
+    num_workers: int = 2
+    #: Ray cluster to join (``ray.init(address=...)``); "" starts a local one.
+    ray_address: str = ""
+    #: Generation engine: ``hf`` (transformers ``generate``) or ``vllm`` (GPU only, extra ``ragen[vllm]``).
+    engine: str = "hf"
 
 
 @dataclass
@@ -304,6 +313,9 @@ def validate(config: RunConfig) -> None:
     need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(config.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(config.rollout.backend in ("local", "ray"), "rollout.backend", "must be 'local' or 'ray'")
+    need(config.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
+    need(config.rollout.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'")
     need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
     need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
     need(config.agent.context_mode in CONTEXT_MODES, "agent.context_mode", f"must be one of {', '.join(CONTEXT_MODES)}")
