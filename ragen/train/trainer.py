@@ -45,6 +45,10 @@ VAL_SEED_BASE = 2**31
 class StarPOTrainer:
     def __init__(self, config: RunConfig, resume: bool = False):
         self.config = config
+        if config.rollout.engine == "vllm":  # no vLLM, no GPU, or LoRA: a clear error before anything is loaded
+            from ragen.models.vllm_backend import check_vllm_run
+
+            check_vllm_run(config)
         # torchrun: every rank holds the whole model; rank 0 alone rolls out, validates and writes files
         self.rank, self.world = init_distributed()
         self.is_main = self.rank == 0
@@ -84,7 +88,12 @@ class StarPOTrainer:
         )
 
         # -- rollout --------------------------------------------------------------------
-        self.backend = HFBackend(self.model, self.tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
+        if config.rollout.engine == "vllm" and self.is_main:  # only rank 0 rolls out; other ranks need just pad_id
+            from ragen.models.vllm_backend import VLLMBackend
+
+            self.backend = VLLMBackend(self.model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
+        else:
+            self.backend = HFBackend(self.model, self.tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
         agent = AgentSettings(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout
@@ -103,6 +112,7 @@ class StarPOTrainer:
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
         if resume:
             self._resume()
+            self.sync_rollout_weights()
         self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None) if self.is_main else []
         barrier()  # no rank writes the run dir before every rank has checked it
 
@@ -242,7 +252,18 @@ class StarPOTrainer:
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics.update(adv.metrics)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        t_sync = time.perf_counter()
+        if self.sync_rollout_weights():
+            metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
         return metrics
+
+    def sync_rollout_weights(self) -> bool:
+        """rollout.engine=vllm: push the trained tensors into the engine (the HF backend shares the model itself)."""
+        sync = getattr(self.backend, "sync_weights", None)
+        if sync is None:
+            return False
+        sync((n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad)
+        return True
 
     def uncertainty_filter(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """StarPO-S: train only on the groups whose rewards vary most (``algorithm.filter_ratio``), within each tag."""
