@@ -107,6 +107,12 @@ class StarPOTrainer:
             SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t.val_temperature, top_p=r.top_p, top_k=r.top_k,
                            do_sample=t.val_do_sample, stop=stop),
         )
+        # rollout.backend=ray: training episodes play on Ray actors (ragen/train/ray_rollout.py); validation stays here
+        self.rollout_pool = None
+        if r.backend == "ray" and self.is_main:
+            from ragen.train.ray_rollout import RayRolloutPool
+
+            self.rollout_pool = RayRolloutPool(config)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.is_main:
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
@@ -167,6 +173,7 @@ class StarPOTrainer:
                       f"`ragen train --resume {self.run_dir}`", flush=True)
                 summary["interrupted_at_step"] = step
                 self.close_loggers()
+                self.close_rollout_pool()
                 return summary
             if stop:
                 bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
@@ -175,6 +182,7 @@ class StarPOTrainer:
         interrupt.restore()
         bar.close()
         self.close_loggers()
+        self.close_rollout_pool()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
             summary["val_after"] = self.validate()
         if not self.is_main:  # nothing to write: rank 0 saves, plots and summarises
@@ -197,6 +205,8 @@ class StarPOTrainer:
         group_seeds = self.seed_rng.integers(0, VAL_SEED_BASE, size=n_groups)
         seeds = [int(s) for s in np.repeat(group_seeds, size)]
         group_ids = [g for g in range(n_groups) for _ in range(size)]
+        if self.rollout_pool is not None:  # each worker plays its group-aligned share; this step's weights go along
+            return self.rollout_pool.run(step, seeds, group_ids, self.train_rollout.sampling, self.model)
         slots = self.train_slots
         return self.train_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
@@ -448,6 +458,12 @@ class StarPOTrainer:
     def close_loggers(self) -> None:
         for logger in self.loggers:
             logger.close()
+
+    def close_rollout_pool(self) -> None:
+        """rollout.backend=ray: stop the workers (and Ray, if the pool started it)."""
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
+            self.rollout_pool = None
 
     def save(self, path: Path) -> None:
         """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""

@@ -1,0 +1,231 @@
+"""Ray rollout workers (``rollout.backend=ray``): the training rollout split over actors.
+
+One job: play one training step's episodes on ``rollout.num_workers`` Ray actors and hand
+the trainer back the same :class:`~ragen.agent.Trajectory` list a local rollout gives.
+
+* Each :class:`RolloutWorker` actor holds **its share of the training env slots** — a
+  contiguous, group-aligned range (a group's ``group_size`` envs never straddle two workers;
+  :func:`partition`) — and a **policy replica**: the run's model loaded with
+  :func:`ragen.models.load_model` (plus the same LoRA wrapping), an :class:`HFBackend` and a
+  :class:`Rollout` with the run's agent settings.
+* Every step the trainer's trainable tensors (the whole model, the top layers, or only the
+  LoRA adapters — whatever ``requires_grad``) are put in the object store **once**
+  (``ray.put``); each worker copies them into its replica before it plays. Frozen tensors
+  never travel: they are the same in every replica because every replica loads the same
+  model spec with the same seed.
+* The trainer still draws the seeds and group ids; each worker gets its slice, and the
+  slices' trajectories are concatenated in worker order, which is the original slot order.
+* Sampling is seeded per call from ``(run seed, step, worker index)`` (:func:`worker_seed`),
+  so a run is reproducible and a retried slice replays exactly what the lost one would have.
+  (It is not the same random stream as a local rollout; greedy decoding gives the same
+  trajectories on both backends.)
+* If an actor dies (``ray.exceptions.RayActorError``, e.g. ``ActorDiedError``) the pool starts
+  a replacement with the same slot range, and resubmits that worker's slice of the step
+  with the same weights reference, up to :data:`MAX_RETRIES` times per worker per step. The
+  other workers' results are kept, so no trajectory is lost or played twice.
+
+Validation stays local (the trainer's own backend). Only the HF engine is supported on
+workers. Ray is imported lazily: without ``rollout.backend=ray`` nothing here runs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import asdict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ragen.agent import AgentSettings, Rollout, Trajectory
+from ragen.config import RunConfig
+from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
+from ragen.train.env_sets import Slots, train_sets
+
+#: Replacements per worker per step before the step fails.
+MAX_RETRIES = 3
+
+
+def partition(n_groups: int, group_size: int, num_workers: int) -> list[tuple[int, int]]:
+    """Slot ranges ``[start, end)`` per worker: contiguous, whole groups, sizes within one group.
+
+    At most ``n_groups`` ranges: a worker without a group would have nothing to play.
+    """
+    workers = max(1, min(num_workers, n_groups))
+    base, extra = divmod(n_groups, workers)
+    ranges, group = [], 0
+    for w in range(workers):
+        count = base + (1 if w < extra else 0)
+        ranges.append((group * group_size, (group + count) * group_size))
+        group += count
+    return ranges
+
+
+def worker_seed(run_seed: int, step: int, index: int) -> int:
+    """The sampling seed of worker ``index`` at ``step`` (independent streams via ``SeedSequence``)."""
+    return int(np.random.SeedSequence([run_seed, step, index]).generate_state(1)[0])
+
+
+def build_slots(config: RunConfig, start: int, end: int) -> Slots:
+    """Training slots ``[start, end)`` of ``Slots.build(train_sets(config), group_size)``; only those envs are made."""
+    slots, index, size = Slots(), 0, config.rollout.group_size
+    for s in train_sets(config):
+        for _ in range(s.count * size):
+            if start <= index < end:
+                slots.envs.append(s.tag.make_env())
+                slots.env_names.append(s.tag.env)
+                slots.tags.append(s.name)
+                slots.settings.append(s.settings)
+            index += 1
+    return slots
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the replicas need each step: every parameter that trains, by name, detached on CPU."""
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class RolloutWorker:
+    """One actor's env slots and policy replica (made a Ray actor by :class:`RayRolloutPool`)."""
+
+    def __init__(self, config: RunConfig, index: int, start: int, end: int):
+        if config.trainer.num_threads > 0:
+            torch.set_num_threads(config.trainer.num_threads)
+        self.config, self.index, self.start, self.end = config, index, start, end
+        model, tokenizer = load_model(config.model, seed=config.seed)
+        if config.lora.rank > 0:
+            lora = config.lora
+            model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        self.model = model.eval().requires_grad_(False)
+        self.params = dict(self.model.named_parameters())
+        backend = HFBackend(model, tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
+        self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+        self.slots = build_slots(config, start, end)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(set(weights) - set(self.params))
+        if unknown:
+            raise KeyError(f"rollout worker {self.index}: no parameter named {unknown[:3]} in the replica")
+        for name, value in weights.items():
+            self.params[name].copy_(value)
+
+    def run(self, step: int, weights, seeds: list[int], group_ids: list[int], sampling: SamplingParams) -> list[Trajectory]:
+        """Load ``weights``, seed the sampler from ``(seed, step, index)``, play this worker's slots."""
+        if len(seeds) != len(self.slots) or len(group_ids) != len(self.slots):
+            raise ValueError(f"rollout worker {self.index}: {len(seeds)} seeds for {len(self.slots)} slots")
+        if weights is not None:
+            self.load_weights(weights)
+        seed = worker_seed(self.config.seed, step, self.index)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        self.rollout.sampling = sampling
+        s = self.slots
+        return self.rollout.run(s.envs, seeds, group_ids, s.env_names, settings=s.settings, tags=s.tags)
+
+
+def init_ray(address: str = "", num_cpus: int | None = None) -> bool:
+    """Join ``address`` or start a minimal local cluster; True if this call started Ray (so it shuts it down).
+
+    Usage statistics are switched off before Ray starts: nothing here reaches the network.
+    """
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning; CPU only
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+class RayRolloutPool:
+    """``rollout.num_workers`` :class:`RolloutWorker` actors over the run's training slots.
+
+    Ray is started here unless it already runs in this process (then it is reused and left
+    running by :meth:`close`).
+    """
+
+    def __init__(self, config: RunConfig):
+        try:
+            import ray
+        except ImportError as exc:  # a clear message instead of a bare ModuleNotFoundError
+            raise ImportError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from exc
+        if config.rollout.engine != "hf":
+            raise NotImplementedError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
+        self.ray = ray
+        self.config = config
+        r = config.rollout
+        n_groups = sum(s.count for s in train_sets(config))
+        self.ranges = partition(n_groups, r.group_size, r.num_workers)
+        self.owns_ray = init_ray(r.ray_address, num_cpus=max(len(self.ranges) + 1, os.cpu_count() or 1))
+        self.actor = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
+        self.workers = [self._spawn(i) for i in range(len(self.ranges))]
+        self.restarts = 0
+        ray.get([w.ping.remote() for w in self.workers])  # constructor errors surface here, not mid-training
+
+    @property
+    def num_slots(self) -> int:
+        return self.ranges[-1][1]
+
+    def _spawn(self, index: int):
+        return self.actor.remote(self.config, index, *self.ranges[index])
+
+    def _submit(self, index: int, step: int, weights_ref, seeds, group_ids, sampling):
+        start, end = self.ranges[index]
+        return self.workers[index].run.remote(step, weights_ref, seeds[start:end], group_ids[start:end], sampling)
+
+    def replace(self, index: int) -> None:
+        """Start a fresh actor for worker ``index`` (same slot range); the old one is killed if still there."""
+        try:
+            self.ray.kill(self.workers[index], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.workers[index] = self._spawn(index)
+        self.restarts += 1
+
+    def run(self, step: int, seeds: Sequence[int], group_ids: Sequence[int], sampling: SamplingParams,
+            model: torch.nn.Module) -> list[Trajectory]:
+        """One step's rollout: weights into the object store once, every worker plays its slice, results in slot order."""
+        ray = self.ray
+        if len(seeds) != self.num_slots or len(group_ids) != self.num_slots:
+            raise ValueError(f"{len(seeds)} seeds / {len(group_ids)} group ids for {self.num_slots} training slots")
+        seeds, group_ids = [int(s) for s in seeds], [int(g) for g in group_ids]
+        weights_ref = ray.put(trainable_state(model))
+        args = (step, weights_ref, seeds, group_ids, sampling)
+        pending = {self._submit(i, *args): i for i in range(len(self.workers))}
+        results: list[list[Trajectory] | None] = [None] * len(self.workers)
+        failures = [0] * len(self.workers)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            index = pending.pop(ready[0])
+            try:
+                results[index] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                failures[index] += 1
+                if failures[index] > MAX_RETRIES:
+                    raise RuntimeError(f"rollout worker {index} died {failures[index]} times at step {step}") from exc
+                print(f"[ragen] rollout worker {index} died at step {step} ({type(exc).__name__}); "
+                      f"replacing it and replaying its {len(seeds[slice(*self.ranges[index])])} episodes", flush=True)
+                self.replace(index)
+                pending[self._submit(index, *args)] = index
+        return [traj for part in results for traj in part]
+
+    def close(self) -> None:
+        """Kill the actors; shut Ray down if this pool started it."""
+        for w in self.workers:
+            try:
+                self.ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+        if self.owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
