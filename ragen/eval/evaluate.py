@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ragen.envs
@@ -38,6 +38,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class EvalTarget:
+    """One validation set of the config, as training validation plays it: an env tag with its
+    env, env config, agent settings (horizon, instructions) and episode count."""
+
+    tag: str
+    env: str
+    env_config: dict
+    settings: Any  # ragen.agent.AgentSettings
+    episodes: int
+
+
+def eval_targets(config: RunConfig) -> list[EvalTarget]:
+    """The config's validation sets (``es.val``, else its training tags, else ``env``), like ``StarPOTrainer.validate``."""
+    from ragen.train.env_sets import val_sets
+
+    return [EvalTarget(s.name, s.tag.env, dict(s.tag.config), s.settings, s.count) for s in val_sets(config)]
 
 
 def validation_seeds(n: int) -> list[int]:
@@ -78,20 +97,23 @@ def _summarise(trajectories) -> dict[str, float]:
     return out
 
 
-def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int, n: int) -> dict[str, Any]:
+def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int, n: int,
+              target: EvalTarget | None = None) -> dict[str, Any]:
     """Greedy episodes on ``seeds``, then ``n`` sampled episodes per seed for pass@k (``k = 0`` skips them)."""
-    from ragen.agent import AgentSettings, Rollout
+    from ragen.agent import Rollout
     from ragen.models import SamplingParams
 
-    r, agent = config.rollout, AgentSettings(**asdict(config.agent))
+    target = target or eval_targets(config)[0]
+    r, agent = config.rollout, target.settings
     index = {s: i for i, s in enumerate(seeds)}
 
     def play(do_sample: bool, episode_seeds: list[int]):
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, do_sample=do_sample, stop=STOP)
-        envs = [ragen.envs.make(config.env.name, **config.env.config) for _ in episode_seeds]
+        envs = [ragen.envs.make(target.env, **target.env_config) for _ in episode_seeds]
         group_ids = [index[s] for s in episode_seeds]  # one group per seed
-        return Rollout(backend, tokenizer, agent, sampling).run(envs, episode_seeds, group_ids, config.env.name)
+        return Rollout(backend, tokenizer, agent, sampling).run(envs, episode_seeds, group_ids, target.env,
+                                                                tags=[target.tag] * len(envs))
 
     greedy = play(False, seeds)
     result: dict[str, Any] = {"greedy": _summarise(greedy)}
@@ -115,15 +137,16 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
 # -- baselines -------------------------------------------------------------------------------
 
 
-def run_baseline(config: RunConfig, name: str, seeds: list[int]) -> dict[str, Any]:
+def run_baseline(config: RunConfig, name: str, seeds: list[int], target: EvalTarget | None = None) -> dict[str, Any]:
     """The ``random`` or ``expert`` agent on ``seeds`` with the model's turn budget; ``{"skipped": why}`` if it cannot."""
     from ragen.envs.agents import ExpertAgent, RandomAgent, run_episode
 
-    per_turn = config.agent.max_actions_per_turn
+    target = target or eval_targets(config)[0]
+    per_turn = target.settings.max_actions_per_turn
     agent = RandomAgent(seed=config.seed, max_actions_per_turn=per_turn) if name == "random" else ExpertAgent(per_turn)
-    env = ragen.envs.make(config.env.name, **config.env.config)
+    env = ragen.envs.make(target.env, **target.env_config)
     try:
-        results = [run_episode(env, agent, seed=s, max_turns=config.agent.max_turn) for s in seeds]
+        results = [run_episode(env, agent, seed=s, max_turns=target.settings.max_turn) for s in seeds]
     except ValueError as exc:
         return {"skipped": str(exc)}
     except Exception as exc:  # noqa: BLE001 - a baseline must never sink the model's evaluation
@@ -146,23 +169,38 @@ def run_baseline(config: RunConfig, name: str, seeds: list[int]) -> dict[str, An
 
 def evaluate(config: RunConfig, *, k: int = 4, n: int | None = None, baselines: bool = True,
              backend=None, tokenizer=None) -> dict[str, Any]:
-    """Evaluate ``config.model`` on ``config.env``; returns the JSON-ready report (see ``docs/eval.md``)."""
+    """Evaluate ``config.model`` on the config's validation sets; returns the JSON-ready report (see ``docs/eval.md``).
+
+    One validation set (the usual case): that set's report. Several (``es.val`` lists tags):
+    ``{"model", "tags": {tag: report}}``.
+    """
     n = k if n is None else n
     if k < 0 or (k > 0 and n < k):
         raise ValueError(f"--k must be >= 0 and --n >= --k (got k={k}, n={n})")
-    notes: list[str] = []
-    if config.model.startswith(OPENAI_PREFIX) and config.agent.response_prefix:
-        notes.append(f"agent.response_prefix {config.agent.response_prefix!r} not used: a chat API cannot be prefilled")
-        config.agent.response_prefix = ""
-    seeds = validation_seeds(config.trainer.val_episodes)
+    targets = eval_targets(config)
     if backend is None:
         backend, tokenizer = make_backend(config)
-    model = run_model(config, backend, tokenizer, seeds, k=k, n=n)
+    reports = {t.tag: evaluate_target(config, t, backend, tokenizer, k=k, n=n, baselines=baselines) for t in targets}
+    if len(reports) == 1:
+        return next(iter(reports.values()))
+    return {"model": config.model, "tags": reports}
+
+
+def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *, k: int, n: int,
+                    baselines: bool) -> dict[str, Any]:
+    """One validation set's report: the model greedy (and sampled for pass@k), then the baselines."""
+    notes: list[str] = []
+    if config.model.startswith(OPENAI_PREFIX) and target.settings.response_prefix:
+        notes.append(f"agent.response_prefix {target.settings.response_prefix!r} not used: a chat API cannot be prefilled")
+        target = replace(target, settings=replace(target.settings, response_prefix=""))
+    seeds = validation_seeds(target.episodes)
+    model = run_model(config, backend, tokenizer, seeds, k=k, n=n, target=target)
     greedy, sampled = model["greedy"], model.get("sampled", {})
     report: dict[str, Any] = {
         "model": config.model,
-        "env": config.env.name,
-        "env_config": dict(config.env.config),
+        "tag": target.tag,
+        "env": target.env,
+        "env_config": dict(target.env_config),
         "episodes": len(seeds),
         "seeds": {"first": seeds[0], "count": len(seeds)},
         "temperature": config.rollout.temperature,
@@ -186,7 +224,7 @@ def evaluate(config: RunConfig, *, k: int = 4, n: int | None = None, baselines: 
         notes.append(f"{int(greedy['env_errors'])} greedy episode(s) ended with an env error and are left out")
     if baselines:
         for name in ("random", "expert"):
-            row = run_baseline(config, name, seeds)
+            row = run_baseline(config, name, seeds, target)
             report["baselines"][name] = row
             if "skipped" in row:
                 notes.append(f"{name} baseline skipped: {row['skipped']}")
@@ -200,12 +238,15 @@ def _cell(value: Any, digits: int = 3) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """A plain-text table: the model greedy and sampled, then the baselines, same seeds."""
+    """A plain-text table: the model greedy and sampled, then the baselines, same seeds (one per validation set)."""
+    if "tags" in report:
+        return "\n\n".join(format_table(sub) for sub in report["tags"].values())
     k = report["k"]
     pass_col = f"pass@{k}" if k else "pass@k"
     header = f"{'agent':<24}{'success':>9}{pass_col:>9}{'reward':>9}{'valid':>8}{'resp_len':>10}{'turns':>7}"
     lines = [
-        f"ragen eval: model={report['model']}  env={report['env']}  "
+        f"ragen eval: model={report['model']}  env={report['env']}"
+        + (f" (tag {report['tag']})" if report.get("tag", report["env"]) != report["env"] else "") + "  "
         f"{report['episodes']} held-out seeds ({report['seeds']['first']}..+{report['episodes'] - 1})",
         header,
         "-" * len(header),
@@ -230,4 +271,4 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["evaluate", "format_table", "pass_at_k", "validation_seeds", "run_baseline", "run_model", "make_backend", "OPENAI_PREFIX"]
+__all__ = ["evaluate", "evaluate_target", "eval_targets", "EvalTarget", "format_table", "pass_at_k", "validation_seeds", "run_baseline", "run_model", "make_backend", "OPENAI_PREFIX"]

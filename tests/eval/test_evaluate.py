@@ -40,7 +40,8 @@ def test_seeds_are_the_training_validation_seeds():
 
 def test_ragen_eval_tiny_json_report(tmp_path, capsys):
     out = tmp_path / "sub" / "report.json"
-    assert main(["eval", "tiny", "bandit", "trainer.val_episodes=4", "--k", "2", "--n", "3", "--json", str(out)]) == 0
+    assert main(["eval", "tiny", "bandit", "es.val=[{tag: Bandit}]", "trainer.val_episodes=4", "--k", "2", "--n", "3",
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert all(key in report for key in HEADLINE), set(HEADLINE) - set(report)
     assert report["model"] == "tiny" and report["env"] == "bandit" and report["episodes"] == 4
@@ -61,7 +62,8 @@ def test_ragen_eval_tiny_json_report(tmp_path, capsys):
 
 def test_greedy_only_and_no_baselines(tmp_path):
     out = tmp_path / "r.json"
-    assert main(["eval", "tiny", "bandit", "trainer.val_episodes=2", "--k", "0", "--no-baselines", "--json", str(out)]) == 0
+    assert main(["eval", "tiny", "bandit", "es.val=[]", "trainer.val_episodes=2", "--k", "0", "--no-baselines",
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["sampled"] is None and report["pass_at_k"] is None and report["baselines"] == {}
 
@@ -74,11 +76,13 @@ def test_eval_matches_training_validation_of_a_run_dir(tmp_path, capsys):
     # ENV_OR_YAML may be the run dir itself: its config.yaml (same agent settings, same val_episodes).
     assert main(["eval", str(run), str(run), "--k", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    # The bandit preset validates greedily: eval's greedy numbers are training's validation numbers.
-    assert report["episodes"] == 2
-    assert report["success"] == val_after["val/success"]
-    assert report["reward_mean"] == pytest.approx(val_after["val/reward_mean"])
-    assert report["response_length"] == pytest.approx(val_after["val/response_length"])
+    # The bandit preset validates greedily on two tags: eval's greedy numbers are training's, tag by tag.
+    assert list(report["tags"]) == ["Bandit", "BanditTest"]
+    for tag, tag_report in report["tags"].items():
+        assert tag_report["episodes"] == 2
+        assert tag_report["success"] == val_after[f"val/{tag}/success"]
+        assert tag_report["reward_mean"] == pytest.approx(val_after[f"val/{tag}/reward_mean"])
+        assert tag_report["response_length"] == pytest.approx(val_after[f"val/{tag}/response_length"])
 
 
 def test_eval_a_lora_run_dir_merges_the_adapter(tmp_path):
@@ -127,7 +131,7 @@ def test_user_errors_exit_2(capsys):
     assert main(["eval", "tiny", "bandit", "no_such.key=1"]) == 2
     assert main(["eval", "tiny", "nonexistent.yaml"]) == 2
     assert main(["eval", "tiny", "bandit", "--k", "3", "--n", "2"]) == 2
-    assert main(["eval", "tiny", "bandit", "env.config.name_set=nope", "--no-baselines"]) == 2
+    assert main(["eval", "tiny", "bandit", "es.val=[]", "env.config.name_set=nope", "--no-baselines"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("ragen: error:") for line in err)
 
@@ -139,7 +143,7 @@ def test_env_without_expert_is_skipped_with_a_note(monkeypatch):
         raise ValueError("no expert for BanditEnv: give the env an expert_actions() method returning answer strings")
 
     monkeypatch.setattr(ExpertAgent, "plan", no_expert)
-    config = load_config("bandit", ["model=tiny", "trainer.val_episodes=2"])
+    config = load_config("bandit", ["model=tiny", "trainer.val_episodes=2", "es.val=[]"])
     assert "skipped" in run_baseline(config, "expert", validation_seeds(2))
     report = evaluate(config, k=0)
     assert "skipped" in report["baselines"]["expert"] and "success" in report["baselines"]["random"]
@@ -147,3 +151,22 @@ def test_env_without_expert_is_skipped_with_a_note(monkeypatch):
     table = format_table(report)
     assert re.search(r"expert agent \(oracle\)\s+skipped", table) and "note: expert baseline skipped" in table
     assert not math.isnan(report["success"])
+
+
+def test_eval_plays_the_configs_validation_tags(tmp_path):
+    """Like training validation: every es.val tag with its own env, config, horizon and instructions."""
+    lake = ("es.tags={Lake: {env: frozen_lake, config: {size: 4, is_slippery: false}, max_turn: 2, max_actions_per_turn: 3, "
+            "instructions: 'Reach G quickly.'}}")
+    out = tmp_path / "report.json"
+    assert main(["eval", "tiny", "bandit", lake, "es.val=[{tag: Lake, episodes: 2}, {tag: BanditTest, episodes: 3}]",
+                 "--k", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["tags"]) == ["Lake", "BanditTest"]
+    lake_report, bandit_report = report["tags"]["Lake"], report["tags"]["BanditTest"]
+    assert lake_report["env"] == "frozen_lake" and lake_report["episodes"] == 2
+    assert lake_report["env_config"] == {"size": 4, "is_slippery": False}
+    example = lake_report["examples"]["greedy"][0]
+    assert example["tag"] == "Lake" and len(example["turns"]) <= 2
+    assert bandit_report["env"] == "bandit" and bandit_report["episodes"] == 3
+    assert bandit_report["env_config"] == {"name_set": "test"}
+    assert lake_report["baselines"]["expert"]["success"] == 1.0  # deterministic lake: the planner always arrives

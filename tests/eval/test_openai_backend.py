@@ -94,7 +94,7 @@ def test_ragen_eval_openai_model_solves_bandit(api, monkeypatch, tmp_path, capsy
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     out = tmp_path / "report.json"
     # The bandit preset prefills "<answer>"; a chat API cannot, so eval drops it (and says so).
-    assert main(["eval", "openai:fake-model", "bandit", "trainer.val_episodes=6", "--k", "2", "--json", str(out)]) == 0
+    assert main(["eval", "openai:fake-model", "bandit", "es.val=[]", "trainer.val_episodes=6", "--k", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["success"] == 1.0 and report["pass_at_k"] == 1.0 and report["pass@2"] == 1.0
     assert report["valid_action_rate"] == 1.0
@@ -118,7 +118,7 @@ def test_multi_turn_messages_and_no_key_needed_for_a_local_server(api, monkeypat
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     # max_turn=2: the bandit ends after one pull, so an invalid first answer is needed for a 2nd turn;
     # enable_think=true makes the scripted reply (no <think>) invalid, hence two user turns.
-    assert main(["eval", "openai:m", "bandit", "trainer.val_episodes=2", "agent.max_turn=2", "agent.enable_think=true",
+    assert main(["eval", "openai:m", "bandit", "es.val=[]", "trainer.val_episodes=2", "agent.max_turn=2", "agent.enable_think=true",
                  "--k", "0", "--no-baselines"]) == 0
     second = api.bodies[-1]
     assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user"]
