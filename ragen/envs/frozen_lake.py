@@ -12,7 +12,7 @@ from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
-from ragen.envs.render import TILE_SIZE, Glyph, Tile, check_render_mode, check_tile_size, draw_grid
+from ragen.envs.render import TILE_SIZE, Glyph, Tile, TiledRender
 
 #: Our action ids -> gymnasium's (0 Left, 1 Down, 2 Right, 3 Up).
 ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
@@ -37,7 +37,7 @@ TILES = {
 
 
 @register("frozen_lake")
-class FrozenLakeEnv(TextEnv):
+class FrozenLakeEnv(TiledRender, TextEnv):
     """Cross a frozen lake from the start to the goal without falling into a hole.
 
     ## Description
@@ -94,6 +94,7 @@ class FrozenLakeEnv(TextEnv):
     action_lookup = dict(ACTION_LOOKUP)
     action_space = spaces.Discrete(4, start=1)
     metadata = {"render_modes": ["text", "ansi", "rgb_array"], "render_fps": 4}
+    tiles = TILES
 
     @dataclass
     class Config:
@@ -115,8 +116,7 @@ class FrozenLakeEnv(TextEnv):
 
     def __init__(self, render_mode: str | None = None, tile_size: int = TILE_SIZE, **cfg: Any):
         self.config = build_config(self.Config, cfg, "frozen_lake")
-        self.render_mode = check_render_mode("frozen_lake", render_mode, self.metadata["render_modes"])
-        self.tile_size = check_tile_size("frozen_lake", tile_size)
+        self._init_render("frozen_lake", render_mode, tile_size)
         self.instructions = (
             "You are playing FrozenLake: walk from the start to the goal G without falling into a hole O. "
             + ("The ice is slippery: you may move perpendicular to the direction you chose.\n" if self.config.is_slippery else "\n")
@@ -177,17 +177,9 @@ class FrozenLakeEnv(TextEnv):
         }
         return self._text(), 1.0 if success else 0.0, bool(terminated), truncated, info
 
-    def render(self) -> str | np.ndarray:
-        """The observation text; with ``render_mode="rgb_array"`` the RGB frame (:meth:`render_rgb`)."""
-        if self.render_mode == "rgb_array":
-            return self.render_rgb()
-        return self._text()
-
-    def render_rgb(self) -> np.ndarray:
-        """The lake as an ``(H, W, 3)`` uint8 image, ``tile_size`` px per cell ((0, 0, 3) before ``reset``)."""
-        if self.lake is None:
-            return np.zeros((0, 0, 3), dtype=np.uint8)
-        return draw_grid(self._text().split("\n"), TILES, self.tile_size)
+    def _tile_rows(self) -> list[str] | None:
+        """The lake's rows of observation symbols, for :meth:`render_rgb` (None before ``reset``)."""
+        return None if self.lake is None else self._text().split("\n")
 
     def _text(self) -> str:
         """The current observation text (empty before the first ``reset``)."""

@@ -138,3 +138,32 @@ def check_tile_size(env_name: str, tile_size: int) -> int:
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"{env_name}: tile_size must be a positive int, got {tile_size!r}")
     return tile_size
+
+
+class TiledRender:
+    """``render()`` for a text env that can also draw its grid (mix in before ``TextEnv``).
+
+    ``render()`` is the observation text, or with ``render_mode="rgb_array"`` the RGB frame of
+    :meth:`render_rgb`. The env supplies ``tiles`` (grid symbol → :class:`Tile`), ``_text()``
+    (the observation text) and ``_tile_rows()`` (the grid as rows of symbols, None before
+    ``reset``), and calls :meth:`_init_render` from its constructor.
+    """
+
+    tiles: Mapping[str, Tile] = {}
+
+    def _init_render(self, env_name: str, render_mode: str | None, tile_size: int) -> None:
+        self.render_mode = check_render_mode(env_name, render_mode, self.metadata["render_modes"])
+        self.tile_size = check_tile_size(env_name, tile_size)
+
+    def render(self) -> str | np.ndarray:
+        """The observation text; with ``render_mode="rgb_array"`` the RGB frame (:meth:`render_rgb`)."""
+        if self.render_mode == "rgb_array":
+            return self.render_rgb()
+        return self._text()
+
+    def render_rgb(self) -> np.ndarray:
+        """The grid as an ``(H, W, 3)`` uint8 image, ``tile_size`` px per cell ((0, 0, 3) before ``reset``)."""
+        rows = self._tile_rows()
+        if rows is None:
+            return np.zeros((0, 0, 3), dtype=np.uint8)
+        return draw_grid(rows, self.tiles, self.tile_size)

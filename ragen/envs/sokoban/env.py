@@ -12,7 +12,7 @@ from gymnasium import spaces
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
-from ragen.envs.render import TILE_SIZE, Glyph, Tile, check_render_mode, check_tile_size, draw_grid
+from ragen.envs.render import TILE_SIZE, Glyph, Tile, TiledRender
 from ragen.envs.sokoban.generation import generate_room
 from ragen.envs.sokoban.room import (
     BOX,
@@ -70,7 +70,7 @@ _RULES = (
 
 
 @register("sokoban")
-class SokobanEnv(TextEnv):
+class SokobanEnv(TiledRender, TextEnv):
     """Push every box onto a target in a small walled room.
 
     ## Description
@@ -118,6 +118,7 @@ class SokobanEnv(TextEnv):
 
     description = "Sokoban: push every box onto a target in a small walled room."
     metadata = {"render_modes": ["text", "ansi", "rgb_array"], "render_fps": 4}
+    tiles = TILES
     action_lookup = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
     action_space = spaces.Discrete(4, start=1)
 
@@ -153,8 +154,7 @@ class SokobanEnv(TextEnv):
 
     def __init__(self, render_mode: str | None = None, tile_size: int = TILE_SIZE, **cfg: Any):
         self.config = build_config(self.Config, cfg, "sokoban")
-        self.render_mode = check_render_mode("sokoban", render_mode, self.metadata["render_modes"])
-        self.tile_size = check_tile_size("sokoban", tile_size)
+        self._init_render("sokoban", render_mode, tile_size)
         self.instructions = _instructions(self.config.observation_format)
         self.observation_space = _observation_space(self.config.dim_room)
         self.room: Room | None = None
@@ -192,17 +192,9 @@ class SokobanEnv(TextEnv):
         }
         return self._text(), _reward(before, self.room), terminated, truncated, info
 
-    def render(self) -> str | np.ndarray:
-        """The observation text; with ``render_mode="rgb_array"`` the RGB frame (:meth:`render_rgb`)."""
-        if self.render_mode == "rgb_array":
-            return self.render_rgb()
-        return self._text()
-
-    def render_rgb(self) -> np.ndarray:
-        """The room as an ``(H, W, 3)`` uint8 image, ``tile_size`` px per cell ((0, 0, 3) before ``reset``)."""
-        if self.room is None:
-            return np.zeros((0, 0, 3), dtype=np.uint8)
-        return draw_grid(render_grid(self.room).split("\n"), TILES, self.tile_size)
+    def _tile_rows(self) -> list[str] | None:
+        """The room's grid rows (whatever ``observation_format`` is), for :meth:`render_rgb` (None before ``reset``)."""
+        return None if self.room is None else render_grid(self.room).split("\n")
 
     def _text(self) -> str:
         """The current observation text (empty before the first ``reset``)."""
