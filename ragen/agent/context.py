@@ -101,8 +101,12 @@ class PromptFormat:
         )
         return f"Answer format: {shape}{many}{predict}"
 
+    def preamble(self, instructions: str) -> str:
+        """What the first prompt states before the first state: the env's rules and the answer format."""
+        return f"{instructions}\n{self.format_instruction()}"
+
     def first_user_message(self, instructions: str, observation: str, turn: int, actions_left: int | None) -> str:
-        return f"{instructions}\n{self.format_instruction()}\n\n{self.turn_text(observation, turn, actions_left)}"
+        return f"{self.preamble(instructions)}\n\n{self.turn_text(observation, turn, actions_left)}"
 
     def next_user_message(self, reward: float, observation: str, turn: int, actions_left: int | None, feedback: str = "") -> str:
         note = f"{feedback}\n" if feedback else ""

@@ -90,7 +90,7 @@ class _Episode:
     @property
     def header(self) -> str:
         """The first prompt's preamble: the env's rules and the answer format."""
-        return f"{self.instructions}\n{self.protocol.format.format_instruction()}"
+        return self.protocol.format.preamble(self.instructions)
 
     @property
     def settings(self) -> AgentSettings:
