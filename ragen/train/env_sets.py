@@ -41,15 +41,22 @@ class Slots:
     settings: list[AgentSettings] = field(default_factory=list)
 
     @classmethod
-    def build(cls, sets: list[TagSet], episodes_per_unit: int) -> "Slots":
-        """``set.count * episodes_per_unit`` fresh envs per tag set, in order (a group's envs are adjacent)."""
-        slots = cls()
+    def build(cls, sets: list[TagSet], episodes_per_unit: int, start: int = 0, end: int | None = None) -> "Slots":
+        """``set.count * episodes_per_unit`` fresh envs per tag set, in order (a group's envs are adjacent).
+
+        ``start``/``end`` keep only the slots ``[start, end)`` of that sequence, and make only their envs
+        (a Ray rollout worker's share).
+        """
+        slots, index = cls(), 0
         for s in sets:
             n = s.count * episodes_per_unit
-            slots.envs += [s.tag.make_env() for _ in range(n)]
-            slots.env_names += [s.tag.env] * n
-            slots.tags += [s.name] * n
-            slots.settings += [s.settings] * n
+            first, last = max(start, index), min(index + n, end if end is not None else index + n)
+            k = max(0, last - first)
+            slots.envs += [s.tag.make_env() for _ in range(k)]
+            slots.env_names += [s.tag.env] * k
+            slots.tags += [s.name] * k
+            slots.settings += [s.settings] * k
+            index += n
         return slots
 
     def __len__(self) -> int:

@@ -69,16 +69,7 @@ def worker_seed(run_seed: int, step: int, index: int) -> int:
 
 def build_slots(config: RunConfig, start: int, end: int) -> Slots:
     """Training slots ``[start, end)`` of ``Slots.build(train_sets(config), group_size)``; only those envs are made."""
-    slots, index, size = Slots(), 0, config.rollout.group_size
-    for s in train_sets(config):
-        for _ in range(s.count * size):
-            if start <= index < end:
-                slots.envs.append(s.tag.make_env())
-                slots.env_names.append(s.tag.env)
-                slots.tags.append(s.name)
-                slots.settings.append(s.settings)
-            index += 1
-    return slots
+    return Slots.build(train_sets(config), config.rollout.group_size, start, end)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
