@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ragen.agent import AgentSettings, Rollout, Trajectory
-from ragen.config import RunConfig
+from ragen.config import ConfigError, RunConfig
 from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
 from ragen.train.env_sets import Slots, train_sets
 
@@ -148,10 +148,10 @@ class RayRolloutPool:
     def __init__(self, config: RunConfig):
         try:
             import ray
-        except ImportError as exc:  # a clear message instead of a bare ModuleNotFoundError
-            raise ImportError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from exc
+        except ImportError:  # a config error (one line, exit 2), not a bare ModuleNotFoundError
+            raise ConfigError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from None
         if config.rollout.engine != "hf":
-            raise NotImplementedError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
+            raise ConfigError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
         self.ray = ray
         self.config = config
         r = config.rollout
