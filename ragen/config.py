@@ -124,6 +124,10 @@ class RolloutConfig:
     top_k: int = 0
     #: Sequences per ``generate`` call.
     batch_size: int = 64
+    #: Keep each episode's KV cache between turns so a turn prefills only its new tokens
+    #: (``context_mode=full``, HF engine; ``ragen/models/prefix_cache.py``). Same tokens either way;
+    #: costs memory for one cache per episode during a rollout.
+    reuse_kv: bool = True
     #: Where episodes are played: ``local`` (in the trainer's process) or ``ray`` (``num_workers``
     #: Ray actors, each holding env slots and a policy replica; see docs/scaling.md).
     backend: str = "local"

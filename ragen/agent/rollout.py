@@ -13,6 +13,7 @@ a 5-turn Sokoban episode of the same batch keeps playing.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from dataclasses import dataclass
 from typing import Sequence
@@ -147,19 +148,28 @@ class Rollout:
             self._start(env, seed, gid, name, self._protocol(s), tag)
             for env, seed, gid, name, s, tag in zip(envs, seeds, group_ids, names, per_env, tag_names)
         ]
-        while True:
-            active = [ep for ep in episodes if not ep.traj.done]
-            if not active:
-                break
-            prompts = [ep.prompt_ids() for ep in active]
-            if getattr(self.backend, "wants_messages", False):  # chat APIs take messages, not token ids
-                generations = self.backend.generate(prompts, self.sampling, messages=[ep.prompt_messages() for ep in active])
-            else:
-                generations = self.backend.generate(prompts, self.sampling)
-            for ep, gen in zip(active, generations):
-                last_turn = len(ep.traj.turns) + 1 >= ep.settings.max_turn
-                self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
+        with self._kv_session(episodes):
+            while True:
+                active = [ep for ep in episodes if not ep.traj.done]
+                if not active:
+                    break
+                prompts = [ep.prompt_ids() for ep in active]
+                if getattr(self.backend, "wants_messages", False):  # chat APIs take messages, not token ids
+                    generations = self.backend.generate(prompts, self.sampling, messages=[ep.prompt_messages() for ep in active])
+                else:
+                    generations = self.backend.generate(prompts, self.sampling)
+                for ep, gen in zip(active, generations):
+                    last_turn = len(ep.traj.turns) + 1 >= ep.settings.max_turn
+                    self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
         return [ep.traj for ep in episodes]
+
+    def _kv_session(self, episodes: list[_Episode]):
+        """Let the backend keep KV caches between this run's turns (``full`` prompts extend each other; window ones do not)."""
+        kept = getattr(self.backend, "prefix_cache", None)
+        if kept is None:
+            return contextlib.nullcontext()
+        multi_turn_full = any(not ep.windowed and ep.settings.max_turn > 1 for ep in episodes)
+        return kept.session(enabled=multi_turn_full)
 
     # -- one episode -------------------------------------------------------------------
 

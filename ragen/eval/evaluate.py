@@ -83,7 +83,10 @@ def make_backend(config: RunConfig):
     from ragen.models import HFBackend, load_model
 
     model, tokenizer = load_model(spec, seed=config.seed)
-    backend = HFBackend(model, tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
+    backend = HFBackend(
+        model, tokenizer, precision=config.trainer.precision,
+        batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv,
+    )
     return backend, tokenizer
 
 

@@ -9,11 +9,14 @@ first completed stop string, with the reason it stopped.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.precision import resolve_precision
+from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 
 
 @dataclass
@@ -44,14 +47,34 @@ def autocast(precision: str):
     raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
 
 
-class HFBackend:
-    """Batched sampling with ``transformers``' ``generate`` on left-padded prompts."""
+@dataclass
+class PrefillStats:
+    """Where a backend's prompt tokens went: prefilled (``prefill_s`` seconds) or read from a kept cache."""
 
-    def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64):
+    #: Prompt tokens run through the model before sampling (the KV cache ``generate`` starts from).
+    prefilled_tokens: int = 0
+    #: Prompt tokens whose keys and values came from the previous turn's cache instead.
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    #: Time inside ``generate`` itself (decoding), prefill excluded.
+    decode_s: float = 0.0
+
+
+class HFBackend:
+    """Batched sampling with ``transformers``' ``generate`` on left-padded prompts.
+
+    ``reuse_kv=True`` keeps each row's KV cache between calls made inside one
+    ``prefix_cache.session()`` (one ``Rollout.run``): a prompt that extends an earlier
+    prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`).
+    """
+
+    def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.precision = precision
         self.batch_size = batch_size
+        self.prefix_cache = PrefixKVCache() if reuse_kv and model.config.use_cache else None
+        self.stats = PrefillStats()
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -65,57 +88,138 @@ class HFBackend:
         return out
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        kwargs = dict(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=params.do_sample,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            return_dict_in_generate=True,
+        )
+        if params.do_sample:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        if params.stop:
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        keeping = self.prefix_cache is not None and self.prefix_cache.active
+        kept = [self.prefix_cache.take(p) for p in prompts] if keeping else [None] * len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with autocast(self.precision):
+                start = time.perf_counter()
+                if any(k is not None for k in kept):
+                    input_ids, attention_mask, cache = self._resume_prefill(prompts, kept)
+                else:
+                    input_ids, attention_mask = self._left_pad(prompts)
+                    cache = self._shared_prefill(prompts, input_ids, attention_mask)
+                if cache is not None:
+                    kwargs["past_key_values"] = cache
+                middle = time.perf_counter()
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                self.stats.prefill_s += middle - start
+                self.stats.decode_s += time.perf_counter() - middle
+        finally:
+            self.model.train(was_training)
+        width = input_ids.shape[1]
+        generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
+        if keeping:
+            self._keep(out.past_key_values, prompts, attention_mask, generations)
+        return generations
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         attention_mask = torch.zeros_like(input_ids)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
-        kwargs = dict(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=params.do_sample,
-            pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids),
-        )
-        if params.do_sample:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
-        if params.stop:
-            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with autocast(self.precision):
-                cache = self._shared_prefill(prompts, input_ids, attention_mask)
-                if cache is not None:
-                    kwargs["past_key_values"] = cache
-                sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        finally:
-            self.model.train(was_training)
-        new_tokens = sequences[:, width:].tolist()  # (B, N)
-        return [self._cut(ids, params) for ids in new_tokens]
+        return input_ids, attention_mask
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
 
         A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
-        that hold only ``U`` distinct prompts costs ``U`` prompt passes instead of ``B``. Returns
-        None when every prompt is distinct (or the model has no KV cache), and ``generate``
-        prefills as usual. The last column stays uncached because ``generate`` needs at least
-        one new token to start from; the cache covers columns ``[0, P-1)`` of the same
-        left-padded layout, with the positions ``generate`` itself would use.
+        that hold only ``U`` distinct prompts costs ``U`` prompt passes instead of ``B``. The
+        last column stays uncached because ``generate`` needs at least one new token to start
+        from; the cache covers columns ``[0, P-1)`` of the same left-padded layout, with the
+        positions ``generate`` itself would use. Done here even when every prompt is distinct
+        (the same pass ``generate`` would make), so prefill time is measured apart from
+        decoding. None when the model keeps no KV cache (or the prompts are one token long):
+        ``generate`` then prefills as usual.
         """
+        if input_ids.shape[1] < 2 or not self.model.config.use_cache:
+            self.stats.prefilled_tokens += sum(len(p) for p in prompts)
+            return None
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        if len(distinct) == len(prompts) or input_ids.shape[1] < 2 or not self.model.config.use_cache:
-            return None
         first_row = {u: row_prompt.index(u) for u in range(len(distinct))}
         rows = torch.tensor([first_row[u] for u in range(len(distinct))])
         ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
-        cache.reorder_cache(torch.tensor(row_prompt))  # (U, ...) -> (B, ...)
+        if len(distinct) < len(prompts):
+            cache.reorder_cache(torch.tensor(row_prompt))  # (U, ...) -> (B, ...)
+        self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
+
+    def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None]):
+        """Left-padded ids, mask and a KV cache for ``prompts`` where row ``i`` starts with ``kept[i]``.
+
+        Columns ``[0, C)`` hold each row's kept prefix (``c_i`` tokens, right-aligned, from the
+        stored keys and values), columns ``[C, C + S)`` the rest of its prompt but the last
+        token (``s_i`` tokens, right-aligned), column ``C + S`` the last token, which
+        ``generate`` feeds itself. Only the ``[C, C + S)`` block is run through the model.
+        The mask may hold padding between a row's two parts; positions count only real
+        tokens (``cumsum`` of the mask, as ``generate`` computes them), so each token gets
+        the position it had when its keys were first computed.
+        """
+        n = len(prompts)
+        reused = [min(len(k), len(p) - 1) if k is not None else 0 for k, p in zip(kept, prompts)]  # c_i
+        rest = [len(p) - 1 - c for p, c in zip(prompts, reused)]  # s_i
+        C, S = max(reused), max(rest)
+        input_ids = torch.full((n, C + S + 1), self.pad_id, dtype=torch.long)  # (B, C+S+1)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (prompt, c, s) in enumerate(zip(prompts, reused, rest)):
+            input_ids[row, C - c : C] = torch.tensor(prompt[:c], dtype=torch.long)
+            input_ids[row, C + S - s : C + S] = torch.tensor(prompt[c : c + s], dtype=torch.long)
+            input_ids[row, -1] = prompt[-1]
+            attention_mask[row, C - c : C] = 1
+            attention_mask[row, C + S - s :] = 1
+        sample = next(k for k in kept if k is not None)
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k0, v0) in enumerate(zip(sample.keys, sample.values)):
+            heads, dim = k0.shape[0], k0.shape[-1]
+            keys = k0.new_zeros(n, heads, C, dim)  # (B, heads, C, head_dim); padding columns are masked out
+            values = v0.new_zeros(n, heads, C, v0.shape[-1])
+            for row, (entry, c) in enumerate(zip(kept, reused)):
+                if c:
+                    keys[row, :, C - c :] = entry.keys[layer][:, :c]
+                    values[row, :, C - c :] = entry.values[layer][:, :c]
+            cache.update(keys, values, layer)
+        if S:
+            positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
+            self.model(
+                input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
+                position_ids=positions[:, C : C + S], past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
+        self.stats.reused_tokens += sum(reused)
+        self.stats.prefilled_tokens += sum(rest) + n
+        return input_ids, attention_mask, cache
+
+    def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
+        """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn."""
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return  # sliding-window, quantized, ... caches are not re-laid out here; those rows prefill as usual
+        width, cached = attention_mask.shape[1], cache.get_seq_length()
+        for row, (prompt, gen) in enumerate(zip(prompts, generations)):
+            k = min(len(gen.token_ids), cached - width)  # the last sampled token was never fed back
+            columns = torch.cat([attention_mask[row].nonzero().squeeze(1), torch.arange(width, width + k)])
+            self.prefix_cache.put(CachedPrefix(
+                token_ids=tuple(prompt) + tuple(gen.token_ids[:k]),
+                keys=[layer.keys[row].index_select(1, columns) for layer in layers],  # (heads, len, head_dim)
+                values=[layer.values[row].index_select(1, columns) for layer in layers],
+            ))
 
     def _cut(self, ids: list[int], params: SamplingParams) -> Generation:
         """Keep the tokens up to the first finish event; what HF filled in after it is padding."""

@@ -93,7 +93,10 @@ class StarPOTrainer:
 
             self.backend = VLLMBackend(self.model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
         else:
-            self.backend = HFBackend(self.model, self.tokenizer, precision=config.trainer.precision, batch_size=config.rollout.batch_size)
+            self.backend = HFBackend(
+                self.model, self.tokenizer, precision=config.trainer.precision,
+                batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv,
+            )
         agent = AgentSettings(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout

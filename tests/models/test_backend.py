@@ -56,4 +56,10 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     k0 = cache.layers[0].keys  # (B, heads, P-1, head_dim): rows of the same prompt hold the same cache
     assert k0.shape[0] == len(prompts)
     assert torch.equal(k0[0], k0[6]) and torch.equal(k0[3], k0[4]) and not torch.equal(k0[0], k0[3])
-    assert backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]]) is None  # all distinct
+    seen.clear()
+    handle = backend.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    try:  # all distinct: the same one pass per row that ``generate`` would make, done here so it is timed apart
+        cache = backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]])
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([2, width - 1])] and cache.get_seq_length() == width - 1

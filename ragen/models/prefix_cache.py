@@ -1,0 +1,87 @@
+"""Per-episode KV caches kept between turns, so a turn prefills only what is new.
+
+In ``context_mode=full`` every prompt of an episode extends the previous one: turn ``k+1``
+sees turn ``k``'s prompt, the model's reply and the env's answer. Re-encoding that history
+every turn makes a 5-turn rollout prefill the first prompt five times. After each
+``generate`` the backend stores each row's keys and values (padding columns removed) under
+the token ids they encode; the next turn looks up the longest stored prefix of each prompt
+and prefills only the rest.
+
+Entries live for one :meth:`PrefixKVCache.session` (one ``Rollout.run``): the policy's
+weights do not change inside it, and nothing is kept when they do. An entry is dropped once
+it is used, so a session holds at most one entry per episode still being played (plus those
+of episodes that ended).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CachedPrefix:
+    """The keys and values of ``len(token_ids)`` tokens, one ``(heads, len, head_dim)`` pair per layer."""
+
+    token_ids: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class PrefixKVCache:
+    """Stored per-episode KV caches, looked up by token-id prefix."""
+
+    def __init__(self) -> None:
+        self.active = False
+        #: Rows with the same tokens (a group's greedy twins) keep one entry each.
+        self._entries: dict[tuple[int, ...], list[CachedPrefix]] = {}
+        #: How many entries have each length, so a lookup slices the prompt once per length.
+        self._lengths: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def session(self, enabled: bool = True):
+        """Keep entries between ``generate`` calls inside this block only (and only if ``enabled``)."""
+        self.clear()
+        self.active = enabled
+        try:
+            yield self
+        finally:
+            self.active = False
+            self.clear()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+
+    def __len__(self) -> int:
+        return sum(self._lengths.values())
+
+    def put(self, entry: CachedPrefix) -> None:
+        if not self.active or not len(entry):
+            return
+        self._entries.setdefault(entry.token_ids, []).append(entry)
+        self._lengths[len(entry)] = self._lengths.get(len(entry), 0) + 1
+
+    def take(self, prompt: list[int]) -> CachedPrefix | None:
+        """Remove and return the longest stored entry whose tokens start ``prompt`` (None if none does)."""
+        if not self.active:
+            return None
+        for length in sorted(self._lengths, reverse=True):
+            if length > len(prompt):
+                continue
+            key = tuple(prompt[:length])
+            same = self._entries.get(key)
+            if same:
+                entry = same.pop()
+                if not same:
+                    del self._entries[key]
+                self._lengths[length] -= 1
+                if not self._lengths[length]:
+                    del self._lengths[length]
+                return entry
+        return None
