@@ -260,7 +260,7 @@ class StarPOTrainer:
         for _ in range(alg.ppo_epochs):
             order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
             for start in range(0, len(samples), mini):
-                index = order[start : start + mini]
+                index = group_contiguous(order[start : start + mini], samples.group_ids)
                 history.append(self.optimizer_step(samples.select(index), targets.select(index)))
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics.update(adv.metrics)
@@ -530,6 +530,23 @@ class UpdateTargets:
     def select(self, index, width: int | None = None) -> "UpdateTargets":
         cut = slice(None) if width is None else slice(0, width)
         return UpdateTargets(**{k: None if v is None else v[index][:, cut] for k, v in self.__dict__.items()})
+
+
+def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``index`` (a mini-batch's rows, shuffled) reordered so each group's rows are adjacent.
+
+    Micro-batches are contiguous slices of the mini-batch, and the shared-prompt forward runs
+    each distinct prompt once *per micro-batch*: a group split across micro-batches runs its
+    prompt once in each. Which rows form the mini-batch is unchanged, and the optimizer step
+    sums the micro-batches' gradients, so the order changes nothing but float summation order.
+    Groups keep the order of their first row in ``index`` (the shuffle still decides it).
+    """
+    groups = group_ids[index]  # (M,)
+    first_seen = {}
+    for position, g in enumerate(groups.tolist()):
+        first_seen.setdefault(g, position)
+    rank = torch.tensor([first_seen[g] for g in groups.tolist()])
+    return index[torch.sort(rank, stable=True).indices]
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -73,6 +73,11 @@ def test_lora_trains_only_adapters(tmp_path):
 def _batch_with_shared_prompts(tokenizer):
     from ragen.train.batch import collate
 
+    return collate(shared_prompt_trajectories(tokenizer), tokenizer.pad_token_id)
+
+
+def shared_prompt_trajectories(tokenizer) -> list[Trajectory]:
+    """2 groups x 3 one-turn episodes; each group's rows share a prompt, the groups' prompts differ in length."""
     trajs = []
     for group, arms in enumerate(["Gambler, Clerk", "Pirate, Baker, and a much longer prompt here"]):
         for reply in ["<answer>Gambler</answer>", "<answer>Clerk</answer>", "<answer>no</answer>"]:
@@ -82,7 +87,7 @@ def _batch_with_shared_prompts(tokenizer):
             t.input_ids, t.loss_mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
             t.turn_spans = [(len(prompt), len(t.input_ids))]
             trajs.append(t)
-    return collate(trajs, tokenizer.pad_token_id)
+    return trajs
 
 
 def test_shared_prompt_pass_equals_the_plain_pass(tiny):
