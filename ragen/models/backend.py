@@ -82,12 +82,22 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        keeping = self.prefix_cache is not None and self.prefix_cache.active
+        kept = [self.prefix_cache.take(p) for p in prompts] if keeping else [None] * len(prompts)
+        if keeping:
+            # Every episode still playing is in this call, so an entry no prompt took belongs to an
+            # episode that ended (or whose prompts do not extend each other): it is dead.
+            self.prefix_cache.clear()
         out: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
-            out.extend(self._generate_batch(prompts[start : start + self.batch_size], params))
+            end = start + self.batch_size
+            batch_kept, kept[start:end] = kept[start:end], [None] * len(kept[start:end])  # the batch owns them now
+            out.extend(self._generate_batch(prompts[start:end], params, batch_kept, keeping))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, kept: list[CachedPrefix | None], keeping: bool
+    ) -> list[Generation]:
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
             do_sample=params.do_sample,
@@ -99,8 +109,6 @@ class HFBackend:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
-        keeping = self.prefix_cache is not None and self.prefix_cache.active
-        kept = [self.prefix_cache.take(p) for p in prompts] if keeping else [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -108,6 +116,7 @@ class HFBackend:
                 start = time.perf_counter()
                 if any(k is not None for k in kept):
                     input_ids, attention_mask, cache = self._resume_prefill(prompts, kept)
+                    kept.clear()  # copied into ``cache``: free the entries before decoding
                 else:
                     input_ids, attention_mask = self._left_pad(prompts)
                     cache = self._shared_prefill(prompts, input_ids, attention_mask)

@@ -8,9 +8,9 @@ the token ids they encode; the next turn looks up the longest stored prefix of e
 and prefills only the rest.
 
 Entries live for one :meth:`PrefixKVCache.session` (one ``Rollout.run``): the policy's
-weights do not change inside it, and nothing is kept when they do. An entry is dropped once
-it is used, so a session holds at most one entry per episode still being played (plus those
-of episodes that ended).
+weights do not change inside it, and nothing is kept when they do. An entry is removed when
+a prompt takes it, and the backend drops the entries no prompt of a call took (every episode
+still playing is in every call), so a session holds one entry per episode still playing.
 """
 
 from __future__ import annotations

@@ -118,3 +118,61 @@ def test_resumed_prefill_gives_the_full_prefill_logits(tiny):
     assert [ids[r][mask[r].bool()].tolist() for r in range(3)] == prompts
     torch.testing.assert_close(resumed, full, atol=1e-5, rtol=1e-4)
     assert backend.stats.reused_tokens == 50 and backend.stats.prefilled_tokens == (36 - 30) + (51 - 20) + 44 + 3
+
+
+def assert_entries_match_a_fresh_forward(model, kept: PrefixKVCache) -> int:
+    """Every stored entry's keys/values equal those of one plain forward over its token ids; returns the count."""
+    n = 0
+    for same in kept._entries.values():
+        for e in same:
+            with torch.no_grad():
+                fresh = model(input_ids=torch.tensor([list(e.token_ids)]), use_cache=True).past_key_values.layers
+            for layer, k, v in zip(fresh, e.keys, e.values):
+                torch.testing.assert_close(k, layer.keys[0], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, layer.values[0], atol=1e-5, rtol=1e-4)
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("finish", ["eos", "stop"])
+def test_kept_keys_and_values_are_what_a_fresh_forward_computes(tiny, finish):
+    """Rows ending at different steps (EOS or stop string, and length), kept over two turns through the two-block layout.
+
+    Comparing sampled tokens alone cannot catch wrong kept caches on a random model (its samples
+    hardly depend on context), so the stored tensors themselves are checked.
+    """
+    model, tokenizer = tiny
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    ender = {982, 27394}  # tokens this tiny model emits early for some of these prompts (checked below)
+    if finish == "eos":
+        backend.eos_ids = backend.eos_ids | ender
+        params = SamplingParams(max_new_tokens=12, do_sample=False)
+    else:
+        params = SamplingParams(max_new_tokens=12, do_sample=False, stop=tuple(tokenizer.decode([t]) for t in ender))
+    torch.manual_seed(0)
+    prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (12, 20, 7, 15)]
+    plain = HFBackend(model, tokenizer, precision="fp32", reuse_kv=False)
+    plain.eos_ids = backend.eos_ids
+    with backend.prefix_cache.session():
+        first = backend.generate(prompts, params)
+        reasons = {g.finish_reason for g in first}
+        assert finish in reasons and "length" in reasons, [(g.finish_reason, len(g.token_ids)) for g in first]
+        assert len({len(g.token_ids) for g in first}) > 1  # rows finished at different steps
+        assert assert_entries_match_a_fresh_forward(model, backend.prefix_cache) == 4
+        # turn 2: rows 0-2 extend their episode by different amounts; row 3 is a new prompt with no entry
+        second_prompts = [prompts[i] + first[i].token_ids + [5, 6, 7, 8, 9][: i + 2] for i in range(3)] + [[11, 12, 13]]
+        second = backend.generate(second_prompts, params)
+        assert backend.stats.reused_tokens > 0
+        assert assert_entries_match_a_fresh_forward(model, backend.prefix_cache) == 4  # turn-1 entries were used up
+    assert [g.token_ids for g in second] == [g.token_ids for g in plain.generate(second_prompts, params)]
+
+
+def test_entries_no_prompt_took_are_dropped_at_the_next_call(tiny):
+    model, tokenizer = tiny
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    params = SamplingParams(max_new_tokens=4, do_sample=False)
+    with backend.prefix_cache.session():
+        first = backend.generate([[20, 21, 22], [30, 31, 32, 33]], params)
+        assert len(backend.prefix_cache) == 2
+        backend.generate([[20, 21, 22] + first[0].token_ids + [7]], params)  # the second episode has ended
+        assert len(backend.prefix_cache) == 1  # only the continuing episode's new entry
