@@ -383,7 +383,7 @@ def user_tag_dicts(config: RunConfig) -> dict[str, dict[str, Any]]:
 RESUME_SAFE_KEYS = {
     "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
-    "trainer.logger",
+    "trainer.logger", "trainer.plot",
 }
 
 
