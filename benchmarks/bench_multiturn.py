@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -30,16 +29,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} logical cores, load average {load}"
+from machine import machine  # noqa: E402  (benchmarks/machine.py, next to this script)
 
 
 def history_tokens(trajectories) -> int:
