@@ -83,10 +83,7 @@ def make_backend(config: RunConfig):
     from ragen.models import HFBackend, load_model
 
     model, tokenizer = load_model(spec, seed=config.seed)
-    backend = HFBackend(
-        model, tokenizer, precision=config.trainer.precision,
-        batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv,
-    )
+    backend = HFBackend.from_config(model, tokenizer, config)
     return backend, tokenizer
 
 

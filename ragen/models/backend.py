@@ -11,12 +11,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
+
+if TYPE_CHECKING:
+    from ragen.config import RunConfig
 
 
 @dataclass
@@ -79,6 +83,12 @@ class HFBackend:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+
+    @classmethod
+    def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
+        """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``rollout.reuse_kv``)."""
+        return cls(model, tokenizer, precision=config.trainer.precision,
+                   batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -90,10 +90,7 @@ class RolloutWorker:
             model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
         self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
-        backend = HFBackend(
-            model, tokenizer, precision=config.trainer.precision,
-            batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv,
-        )
+        backend = HFBackend.from_config(model, tokenizer, config)
         self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
         self.slots = build_slots(config, start, end)
 

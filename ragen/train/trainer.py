@@ -93,10 +93,7 @@ class StarPOTrainer:
 
             self.backend = VLLMBackend(self.model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
         else:
-            self.backend = HFBackend(
-                self.model, self.tokenizer, precision=config.trainer.precision,
-                batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv,
-            )
+            self.backend = HFBackend.from_config(self.model, self.tokenizer, config)
         agent = AgentSettings(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout
