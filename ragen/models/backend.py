@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 
@@ -131,7 +132,7 @@ class HFBackend:
                     input_ids, attention_mask = self._left_pad(prompts)
                     cache = self._shared_prefill(prompts, input_ids, attention_mask)
                 if cache is not None:
-                    kwargs["past_key_values"] = cache
+                    kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
                 out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
                 self.stats.prefill_s += middle - start
@@ -141,7 +142,7 @@ class HFBackend:
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
         if keeping:
-            self._keep(out.past_key_values, prompts, attention_mask, generations)
+            self._keep(output_cache(out), prompts, attention_mask, generations)
         return generations
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +176,7 @@ class HFBackend:
         ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if len(distinct) < len(prompts):
             cache.reorder_cache(torch.tensor(row_prompt))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
@@ -219,7 +220,7 @@ class HFBackend:
             positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
             self.model(
                 input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
-                position_ids=positions[:, C : C + S], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                position_ids=positions[:, C : C + S], use_cache=True, logits_to_keep=1, **with_cache(cache),
             )
         self.stats.reused_tokens += sum(reused)
         self.stats.prefilled_tokens += sum(rest) + n

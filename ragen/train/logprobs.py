@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ragen.models.cache_names import output_cache, with_cache
+
 
 @dataclass
 class PolicyOutput:
@@ -57,7 +59,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     S = max(suffix_lens)
     rows = []
     if S > 0:
-        cache = prompt_out.past_key_values
+        cache = output_cache(prompt_out)
         index = torch.tensor(row_prompt)
         cache.reorder_cache(index)  # (G, ...) -> (B, ...), one copy of its prompt's cache per row
         suffix_ids = torch.full((B, S), pad, dtype=input_ids.dtype)  # (B, S) right-padded continuations
@@ -67,7 +69,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             suffix_mask[r, : suffix_lens[r]] = 1
         positions = torch.tensor(plens)[:, None] + torch.arange(S)[None, :]  # (B, S)
         suffix_hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
-                                position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+                                position_ids=positions, use_cache=True, **with_cache(cache)).last_hidden_state
     prompt_hidden = prompt_out.last_hidden_state  # (G, P, H)
     for r in range(B):
         parts = [prompt_hidden[row_prompt[r], P - plens[r] :]]

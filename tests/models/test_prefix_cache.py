@@ -7,6 +7,7 @@ from ragen.agent.rollout import AgentSettings, Rollout
 from ragen.envs.registry import make
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 
 
@@ -106,13 +107,13 @@ def test_resumed_prefill_gives_the_full_prefill_logits(tiny):
             if not c:
                 kept.append(None)
                 continue
-            layers = model(input_ids=torch.tensor([prompt[:c]]), use_cache=True).past_key_values.layers
+            layers = output_cache(model(input_ids=torch.tensor([prompt[:c]]), use_cache=True)).layers
             kept.append(CachedPrefix(tuple(prompt[:c]), [l.keys[0] for l in layers], [l.values[0] for l in layers]))
         ids, mask, cache = backend._resume_prefill(prompts, kept)
         assert cache.get_seq_length() == ids.shape[1] - 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         resumed = model(
-            input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:], past_key_values=cache
+            input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:], **with_cache(cache)
         ).logits[:, -1]  # (B, V)
         full = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts])  # (B, V)
     assert [ids[r][mask[r].bool()].tolist() for r in range(3)] == prompts
@@ -126,7 +127,7 @@ def assert_entries_match_a_fresh_forward(model, kept: PrefixKVCache) -> int:
     for same in kept._entries.values():
         for e in same:
             with torch.no_grad():
-                fresh = model(input_ids=torch.tensor([list(e.token_ids)]), use_cache=True).past_key_values.layers
+                fresh = output_cache(model(input_ids=torch.tensor([list(e.token_ids)]), use_cache=True)).layers
             for layer, k, v in zip(fresh, e.keys, e.values):
                 torch.testing.assert_close(k, layer.keys[0], atol=1e-5, rtol=1e-4)
                 torch.testing.assert_close(v, layer.values[0], atol=1e-5, rtol=1e-4)
