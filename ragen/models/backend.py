@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
+from ragen.models.sampling import InverseCDFSampler
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
@@ -71,9 +73,19 @@ class HFBackend:
     ``reuse_kv=True`` keeps each row's KV cache between calls made inside one
     ``prefix_cache.session()`` (one ``Rollout.run``): a prompt that extends an earlier
     prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`).
+
+    ``sampler="inverse_cdf"`` (default) draws sampled tokens with
+    :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
+    ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``.
     """
 
-    def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True):
+    SAMPLERS = ("inverse_cdf", "multinomial")
+
+    def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
+                 sampler: str = "inverse_cdf"):
+        if sampler not in self.SAMPLERS:
+            raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
+        self.sampler = sampler
         self.model = model
         self.tokenizer = tokenizer
         self.precision = precision
@@ -116,7 +128,11 @@ class HFBackend:
             eos_token_id=sorted(self.eos_ids),
             return_dict_in_generate=True,
         )
-        if params.do_sample:
+        if params.do_sample and self.sampler == "inverse_cdf":
+            # generate's greedy step takes the token the processor drew (ragen/models/sampling.py)
+            sampler = InverseCDFSampler(params.temperature, params.top_k, params.top_p)
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        elif params.do_sample:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
