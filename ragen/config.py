@@ -15,6 +15,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
 PRESET_DIR = Path(__file__).parent / "configs"
@@ -219,6 +220,10 @@ class TrainerConfig:
     #: "auto" (bf16 where the hardware multiplies bf16 natively, else fp32), "bf16"
     #: (autocast, fp32 master weights) or "fp32". The resolved value is what config.yaml records.
     precision: str = "auto"
+    #: Where the policy (and critic, reference) live: "auto" (``cuda:LOCAL_RANK`` when a CUDA GPU
+    #: is visible, else cpu), "cpu", "cuda" (= cuda:LOCAL_RANK) or "cuda:N". Ray rollout workers
+    #: keep their replicas on CPU. See ragen/models/device.py and docs/scaling.md.
+    device: str = "auto"
     #: Validate every N steps (0 = only before training and at the end).
     val_freq: int = 0
     val_before_train: bool = True
@@ -299,7 +304,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
     validate(config)
-    config.trainer.precision = resolve_precision(config.trainer.precision)
+    config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
     return config
 
 
@@ -326,6 +331,7 @@ def validate(config: RunConfig) -> None:
     need(config.agent.max_context_window >= 0, "agent.max_context_window", "must be >= 0 (past turns kept in a window prompt)")
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
+    need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")

@@ -82,7 +82,10 @@ def make_backend(config: RunConfig):
         return backend, backend.tokenizer
     from ragen.models import HFBackend, load_model
 
+    from ragen.models.device import resolve_device
+
     model, tokenizer = load_model(spec, seed=config.seed)
+    model.to(resolve_device(config.trainer.device))
     backend = HFBackend.from_config(model, tokenizer, config)
     return backend, tokenizer
 

@@ -18,6 +18,7 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
+from ragen.models.device import model_device
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
@@ -44,11 +45,14 @@ class Generation:
     finish_reason: str
 
 
-def autocast(precision: str):
-    """bf16 autocast on CPU (fp32 master weights, bf16 matmuls), a no-op for fp32; "auto" per ``resolve_precision``."""
-    precision = resolve_precision(precision)
+def autocast(precision: str, device_type: str = "cpu"):
+    """bf16 autocast on ``device_type`` ("cpu" or "cuda"; fp32 master weights, bf16 matmuls), a no-op for fp32.
+
+    "auto" resolves per :func:`~ragen.models.precision.resolve_precision` for that device type.
+    """
+    precision = resolve_precision(precision, device_type)
     if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     if precision == "fp32":
         return contextlib.nullcontext()
     raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
@@ -139,7 +143,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision):
+            with autocast(self.precision, self.device.type):
                 start = time.perf_counter()
                 if any(k is not None for k in kept):
                     input_ids, attention_mask, cache = self._resume_prefill(prompts, kept)
@@ -161,6 +165,11 @@ class HFBackend:
             self._keep(output_cache(out), prompts, attention_mask, generations)
         return generations
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: prompt tensors are built on the CPU and moved there."""
+        return model_device(self.model)
+
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
@@ -168,7 +177,7 @@ class HFBackend:
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
-        return input_ids, attention_mask
+        return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
@@ -188,13 +197,13 @@ class HFBackend:
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         first_row = {u: row_prompt.index(u) for u in range(len(distinct))}
-        rows = torch.tensor([first_row[u] for u in range(len(distinct))])
+        rows = torch.tensor([first_row[u] for u in range(len(distinct))], device=input_ids.device)
         ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = output_cache(out)
         if len(distinct) < len(prompts):
-            cache.reorder_cache(torch.tensor(row_prompt))  # (U, ...) -> (B, ...)
+            cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
 
@@ -221,6 +230,7 @@ class HFBackend:
             input_ids[row, -1] = prompt[-1]
             attention_mask[row, C - c : C] = 1
             attention_mask[row, C + S - s :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         sample = next(k for k in kept if k is not None)
         cache = DynamicCache(config=self.model.config)
         for layer, (k0, v0) in enumerate(zip(sample.keys, sample.values)):
@@ -250,7 +260,8 @@ class HFBackend:
         width, cached = attention_mask.shape[1], cache.get_seq_length()
         for row, (prompt, gen) in enumerate(zip(prompts, generations)):
             k = min(len(gen.token_ids), cached - width)  # the last sampled token was never fed back
-            columns = torch.cat([attention_mask[row].nonzero().squeeze(1), torch.arange(width, width + k)])
+            columns = torch.cat([attention_mask[row].nonzero().squeeze(1),
+                                 torch.arange(width, width + k, device=attention_mask.device)])
             self.prefix_cache.put(CachedPrefix(
                 token_ids=tuple(prompt) + tuple(gen.token_ids[:k]),
                 keys=[layer.keys[row].index_select(1, columns) for layer in layers],  # (heads, len, head_dim)

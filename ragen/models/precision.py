@@ -33,12 +33,17 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in _NATIVE_BF16_FLAGS) or "bf16" in flags
 
 
-def resolve_precision(precision: str) -> str:
-    """Map ``auto`` to ``bf16`` (GPU with bf16, or a CPU with native bf16) or ``fp32``; pass others through."""
+def resolve_precision(precision: str, device: str = "auto") -> str:
+    """Map ``auto`` to ``bf16`` or ``fp32`` for the run's ``trainer.device``; pass others through.
+
+    bf16 on a GPU that supports it, or on a CPU with native bf16; fp32 otherwise. ``device``
+    is the ``trainer.device`` spec: ``cpu`` judges the CPU even where a GPU is visible.
+    """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision != "auto":
         return precision
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     return "bf16" if cpu_has_native_bf16() else "fp32"

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ragen.config import ConfigError, LoraConfig, _friendly
+from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
 
@@ -58,6 +59,8 @@ class SFTTrainerConfig:
     #: "auto" (bf16 only where the hardware multiplies bf16 natively; see ragen/models/precision.py),
     #: "bf16" (autocast, fp32 master weights) or "fp32". The resolved value is what config.yaml records.
     precision: str = "auto"
+    #: "auto" (``cuda:LOCAL_RANK`` when a CUDA GPU is visible, else cpu), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
     #: Eval loss every N steps (0 = only before training and at the end).
     eval_freq: int = 0
     #: Run directory; empty = ``runs/sft-<timestamp>``.
@@ -127,7 +130,8 @@ def validate(config: SFTConfig) -> None:
     need(config.trainer.batch_size >= 1, "trainer.batch_size", "must be >= 1")
     need(config.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
-    config.trainer.precision = resolve_precision(config.trainer.precision)
+    need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
+    config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
     need(config.trainer.max_time_s >= 0, "trainer.max_time_s", "must be >= 0")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
 

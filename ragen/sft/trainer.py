@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ragen.models import apply_lora, autocast, load_model
+from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
@@ -56,7 +57,9 @@ class SFTTrainer:
             torch.set_num_threads(t.num_threads)
         seed_everything(config.seed)
         self.seed_rng = np.random.default_rng(config.seed)  # checkpointed with the other RNGs
+        self.device = resolve_device(t.device)
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
+        self.model.to(self.device)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         d = config.data
         self.data = load_dataset(d.path, self.tokenizer, eval_fraction=d.eval_fraction, eval_max=d.eval_max,
@@ -65,6 +68,7 @@ class SFTTrainer:
             raise ValueError(f"{d.path}: nothing left to train on after the eval split")
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
+            self.model.to(self.device)
         per_step = min(t.batch_size, len(self.data.train))
         self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=config.optim.lr,
@@ -155,9 +159,10 @@ class SFTTrainer:
 
     def nll_sum(self, batch: SFTBatch) -> torch.Tensor:
         """Σ over assistant targets of −log π(target), a scalar (bf16 autocast, fp32 log-softmax)."""
-        with autocast(self.config.trainer.precision):
-            out = policy_forward(self.model, batch.input_ids, batch.attention_mask, batch.loss_mask)
-        return -(out.logprobs * batch.loss_mask).sum()  # (B, T) -> ()
+        ids, mask, loss_mask = (x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask))
+        with autocast(self.config.trainer.precision, self.device.type):
+            out = policy_forward(self.model, ids, mask, loss_mask)
+        return -(out.logprobs * loss_mask).sum()  # (B, T) -> ()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -32,6 +32,10 @@ class TrainBatch:
     def select(self, index: torch.Tensor | slice) -> "TrainBatch":
         return TrainBatch(**{k: v[index] for k, v in self.__dict__.items()})
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        """Every tensor on ``device`` (the model's); tensors already there are reused, not copied."""
+        return TrainBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
     def trim(self) -> "TrainBatch":
         """Drop the padding columns no row of this batch needs."""
         L = int(self.attention_mask.sum(1).max())

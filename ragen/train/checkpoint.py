@@ -5,7 +5,8 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN/`` holding
 * ``model.safetensors`` -- every trainable tensor (full weights, or only the LoRA adapters) plus the
   value head, never pickle;
 * ``optimizer.safetensors`` + ``state.json`` -- AdamW moments, param-group settings, the LR
-  schedule, the step, and every RNG (python, numpy, torch, the trainer's seed generator);
+  schedule, the step, and every RNG (python, numpy, torch's CPU and, where CUDA is in use,
+  per-GPU generators, the trainer's seed generator);
 * ``COMPLETE`` -- written last.
 
 It is assembled in a temporary sibling directory and renamed into place, so a crash leaves
@@ -42,7 +43,10 @@ def rng_state(seed_rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, 
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "seed_rng": seed_rng.bit_generator.state,
     }
-    return json_part, {"torch": torch.get_rng_state()}
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU sampling draws from these
+        tensors.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return json_part, tensors
 
 
 def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor], seed_rng: np.random.Generator) -> None:
@@ -51,6 +55,9 @@ def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor], seed_rn
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     seed_rng.bit_generator.state = state["seed_rng"]
     torch.set_rng_state(tensors["torch"])
+    cuda_states = [tensors[f"torch_cuda_{i}"] for i in range(len(tensors)) if f"torch_cuda_{i}" in tensors]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
 
 
 def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
@@ -60,7 +67,7 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        save_file({k: v.detach().contiguous().clone() for k, v in named_params.items()}, tmp / "model.safetensors")
+        save_file({k: _cpu_copy(v) for k, v in named_params.items()}, tmp / "model.safetensors")
         opt_tensors, opt_json = _optimizer_state(optimizer, named_params)
         save_file(opt_tensors, tmp / "optimizer.safetensors")
         rng_json, rng_tensors = rng_state(seed_rng)
@@ -155,9 +162,14 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, t
     for group in optimizer.param_groups:
         for p in group["params"]:
             for slot, value in optimizer.state.get(p, {}).items():
-                tensors[f"{index[id(p)]}::{slot}"] = value.detach().contiguous().clone()
+                tensors[f"{index[id(p)]}::{slot}"] = _cpu_copy(value)
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return tensors, {"param_groups": groups}
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy (safetensors writes host memory; the live tensor may be on a GPU)."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
 
 
 def _to_json(obj):

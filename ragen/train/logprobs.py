@@ -35,11 +35,14 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     run that prompt once: the prompts go through the decoder as one left-padded batch, their KV
     cache is copied to each row (``index_select``, differentiable), and only the rows' own
     continuations are computed on top. The result equals the plain pass up to float rounding, at
-    a fraction of the cost when prompts are long and answers short.
+    a fraction of the cost when prompts are long and answers short. The index tensors are built
+    on the CPU and moved to ``input_ids``' device (the model's).
     """
     decoder = _base_model(model).get_decoder()
     if prompt_lengths is None:
         return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    device = input_ids.device
+    input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()  # read row by row below: one copy, not B syncs
     B, L = input_ids.shape
     lengths = attention_mask.sum(1).tolist()  # (B,)
     plens = [max(1, int(p)) for p in prompt_lengths.tolist()]
@@ -53,6 +56,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     for g, p in enumerate(prompts):
         prompt_ids[g, P - len(p) :] = torch.tensor(p)
         prompt_mask[g, P - len(p) :] = 1
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     prompt_out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
                          position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     suffix_lens = [lengths[r] - plens[r] for r in range(B)]
@@ -60,14 +64,15 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     rows = []
     if S > 0:
         cache = output_cache(prompt_out)
-        index = torch.tensor(row_prompt)
+        index = torch.tensor(row_prompt, device=device)
         cache.reorder_cache(index)  # (G, ...) -> (B, ...), one copy of its prompt's cache per row
         suffix_ids = torch.full((B, S), pad, dtype=input_ids.dtype)  # (B, S) right-padded continuations
         suffix_mask = torch.zeros((B, S), dtype=attention_mask.dtype)
         for r in range(B):
             suffix_ids[r, : suffix_lens[r]] = input_ids[r, plens[r] : lengths[r]]
             suffix_mask[r, : suffix_lens[r]] = 1
-        positions = torch.tensor(plens)[:, None] + torch.arange(S)[None, :]  # (B, S)
+        positions = (torch.tensor(plens)[:, None] + torch.arange(S)[None, :]).to(device)  # (B, S)
+        suffix_ids, suffix_mask = suffix_ids.to(device), suffix_mask.to(device)
         suffix_hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
                                 position_ids=positions, use_cache=True, **with_cache(cache)).last_hidden_state
     prompt_hidden = prompt_out.last_hidden_state  # (G, P, H)

@@ -26,6 +26,7 @@ from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
+from ragen.models.device import resolve_device
 from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
@@ -67,16 +68,19 @@ class StarPOTrainer:
         self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
         self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
 
-        # -- model, optional LoRA, optimizer --------------------------------------------
+        # -- model, optional LoRA, optimizer (on trainer.device: cuda:LOCAL_RANK or cpu) --
+        self.device = resolve_device(config.trainer.device)
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
+        self.model.to(self.device)
         alg = config.algorithm
         uses_kl = alg.use_kl_loss or alg.use_kl_in_reward
         # Under LoRA the reference policy is the base with adapters disabled; otherwise a frozen copy.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if uses_kl and config.lora.rank == 0 else None
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
+            self.model.to(self.device)  # adapters join their base layers' device
         train_top_layers(self.model, config.optim.trainable_layers)
-        self.value_head = ValueHead(self.model.config.hidden_size) if alg.adv_estimator in CRITIC_ESTIMATORS else None
+        self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor()
         self.optimizer = torch.optim.AdamW(
@@ -302,10 +306,10 @@ class StarPOTrainer:
         sums: dict[str, float] = {}
         for start in range(0, len(local), alg.micro_batch_size):
             rows = slice(start, start + alg.micro_batch_size)
-            micro = local.select(rows).trim()
+            micro = local.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
             T = micro.response_mask.shape[1]
-            tgt = local_targets.select(rows, T)
-            with autocast(self.config.trainer.precision):
+            tgt = local_targets.select(rows, T).to(self.device)
+            with autocast(self.config.trainer.precision, self.device.type):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
                     temperature=self.config.rollout.temperature, with_entropy=True, value_head=self.value_head,
@@ -354,11 +358,11 @@ class StarPOTrainer:
         step = self.config.algorithm.micro_batch_size
         temperature = self.config.rollout.temperature
         for start in range(0, len(batch), step):
-            micro = batch.select(slice(start, start + step)).trim()
+            micro = batch.select(slice(start, start + step)).trim().to(self.device)
             T = micro.response_mask.shape[1]
             args = (micro.input_ids, micro.attention_mask, micro.response_mask)
             shared = self.prompt_lengths(micro)
-            with autocast(self.config.trainer.precision):
+            with autocast(self.config.trainer.precision, self.device.type):
                 if wanted:
                     res = policy_forward(self.model, *args, temperature=temperature, prompt_lengths=shared,
                                          value_head=self.value_head if values else None)
@@ -527,6 +531,9 @@ class UpdateTargets:
     def select(self, index, width: int | None = None) -> "UpdateTargets":
         cut = slice(None) if width is None else slice(0, width)
         return UpdateTargets(**{k: None if v is None else v[index][:, cut] for k, v in self.__dict__.items()})
+
+    def to(self, device: torch.device) -> "UpdateTargets":
+        return UpdateTargets(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
 def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
