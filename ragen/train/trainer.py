@@ -138,6 +138,11 @@ class StarPOTrainer:
             summary["val_before"] = val
             self.log({"step": 0, **val})
             self.report_validation("before training", val)
+        elif self.start_step > 0:  # resumed: the summary still describes the whole run
+            summary["resumed_from_step"] = self.start_step
+            before = self.logged_validation(step=0)
+            if before:
+                summary["val_before"] = before
 
         bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
@@ -257,13 +262,15 @@ class StarPOTrainer:
             old_values=scored.get("values"), ref_logprobs=scored.get("ref_logprobs"),
         )
         self.model.train()
+        zero_gradient = self.gradient_is_zero(targets.advantages)  # the same on every rank: advantages are global
         history: list[dict[str, float]] = []
         for _ in range(alg.ppo_epochs):
             order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
             for start in range(0, len(samples), mini):
                 index = group_contiguous(order[start : start + mini], samples.group_ids)
-                history.append(self.optimizer_step(samples.select(index), targets.select(index)))
+                history.append(self.optimizer_step(samples.select(index), targets.select(index), zero_gradient=zero_gradient))
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
+        metrics["actor/backward_skipped"] = float(zero_gradient)
         metrics.update(adv.metrics)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         t_sync = time.perf_counter()
@@ -290,13 +297,30 @@ class StarPOTrainer:
         keep, metrics = per_tag_filter(scores, groups, tags, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)
         return [t for t, k in zip(trajectories, keep.tolist()) if k], metrics
 
-    def optimizer_step(self, batch: TrainBatch, targets: "UpdateTargets") -> dict[str, float]:
+    def gradient_is_zero(self, advantages: torch.Tensor) -> bool:
+        """True when the update's loss has an exactly zero gradient, whatever the policy's log-probs.
+
+        The clipped PG loss is linear in the advantage at every token (``-A·r`` or ``-A·clip(r)``),
+        so ``A = 0`` everywhere -- e.g. every group's rewards equal under GRPO, as after an SFT
+        that already solves the task -- makes it 0 with gradient 0, unless an entropy bonus, a
+        KL loss or a critic adds a term of its own. Such a step still calls AdamW (on zero
+        gradients: its moments decay and weight decay applies, exactly as after a backward pass
+        that returned zeros) but skips the backward pass.
+        """
+        alg = self.config.algorithm
+        if alg.policy_loss != "clipped" or alg.entropy_coeff != 0 or alg.use_kl_loss or self.value_head is not None:
+            return False  # a registered loss of the user's own need not vanish with A
+        return not bool(advantages.any())
+
+    def optimizer_step(self, batch: TrainBatch, targets: "UpdateTargets", zero_gradient: bool = False) -> dict[str, float]:
         """One optimizer step on ``batch`` with gradient accumulation over micro-batches.
 
         Each micro-batch's aggregated loss is weighted by its share of the mini-batch's
         tokens (token-mean) or sequences (seq-mean-*), so accumulation equals one big pass.
         Under torchrun each rank runs only its slice of ``batch`` with the same global
         denominators, and gradients/metrics are summed over ranks (``ragen/train/distributed.py``).
+        ``zero_gradient`` (see :meth:`gradient_is_zero`): forward passes without autograd for the
+        metrics, no backward, and AdamW steps on gradients set to exact zeros.
         """
         alg = self.config.algorithm
         self.optimizer.zero_grad(set_to_none=True)
@@ -309,7 +333,7 @@ class StarPOTrainer:
             micro = local.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
             T = micro.response_mask.shape[1]
             tgt = local_targets.select(rows, T).to(self.device)
-            with autocast(self.config.trainer.precision, self.device.type):
+            with autocast(self.config.trainer.precision, self.device.type), torch.set_grad_enabled(not zero_gradient):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
                     temperature=self.config.rollout.temperature, with_entropy=True, value_head=self.value_head,
@@ -335,10 +359,15 @@ class StarPOTrainer:
                 step_metrics["critic/explained_variance"] = explained_variance(tgt.returns, out.values.detach(), micro.response_mask)
             step_metrics["actor/loss"] = loss.item()
             share = (micro.response_mask.sum() / total_tokens) if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
-            (loss * share).backward()
+            if not zero_gradient:
+                (loss * share).backward()
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * float(share)
-        all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
+        if zero_gradient:  # what the backward pass would have produced, on every rank
+            for p in self.trainable_parameters():
+                p.grad = torch.zeros_like(p)
+        else:
+            all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
         sums = reduce_metrics(sums, "sum")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
@@ -410,6 +439,16 @@ class StarPOTrainer:
         trajectories = self.val_rollout.run(slots.envs, seeds, list(range(len(seeds))), slots.env_names,
                                             settings=slots.settings, tags=slots.tags)
         return tag_metrics(trajectories, "val")
+
+    def logged_validation(self, step: int) -> dict[str, float]:
+        """The ``val/*`` metrics ``metrics.jsonl`` holds for ``step`` (empty if none were logged)."""
+        if not self.metrics_path.is_file():
+            return {}
+        for line in self.metrics_path.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("step") == step:
+                return {k: v for k, v in record.items() if k.startswith("val/")}
+        return {}
 
     def report_validation(self, when: str, metrics: dict[str, float], write=None) -> None:
         """One console line; with several tags (validation or training) a per-tag table below it."""

@@ -49,6 +49,10 @@ def test_sigkill_and_resume_gives_identical_metrics(tmp_path):
 
     assert [m["step"] for m in _metrics(killed)] == [0, 1, 2, 3, 4]
     assert _metrics(killed) == _metrics(full)
+    # summary.json describes the whole run: validation before step 1 comes from the first session's log
+    resumed, whole = (json.loads((run / "summary.json").read_text()) for run in (killed, full))
+    assert resumed["val_before"] == whole["val_before"] and resumed["val_after"] == whole["val_after"]
+    assert resumed["resumed_from_step"] >= 2 and "resumed_from_step" not in whole
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
