@@ -165,7 +165,7 @@ def run_child(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         overrides = [f"trainer.output_dir={tmp}/run", "trainer.progress_bar=false", "trainer.plot=false",
                      "trainer.save_final=false", "trainer.logger=[jsonl]", f"trainer.num_threads={args.threads}", f"model={args.model}",
-                     f"lora.rank={args.lora_rank if args.child == 'lora' else 0}"]
+                     f"lora.rank={args.lora_rank if args.child == 'lora' else 0}", "trainer.device=cpu"]  # RSS of a CPU run
         config = load_config("bandit", overrides)
         trainer = StarPOTrainer(config)
         n = sum(p.numel() for p in trainer.model.parameters())

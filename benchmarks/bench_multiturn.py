@@ -47,7 +47,7 @@ def run_arm(reuse_kv: bool, args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config("sokoban", [
-            f"model={args.model}", f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
+            "trainer.device=cpu", f"model={args.model}", f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
             f"agent.max_turn={args.turns}", f"agent.max_actions_per_traj={2 * args.turns}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.groups * args.group_size}",
             f"rollout.reuse_kv={str(reuse_kv).lower()}", f"trainer.num_threads={args.threads}",

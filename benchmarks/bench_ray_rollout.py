@@ -38,7 +38,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     from ragen.train.trainer import StarPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_config(args.env, [*overrides, f"trainer.output_dir={tmp}/run"])
+        config = load_config(args.env, [*overrides, f"trainer.output_dir={tmp}/run", "trainer.device=cpu"])
         t0 = time.perf_counter()
         trainer = StarPOTrainer(config)
         startup = time.perf_counter() - t0

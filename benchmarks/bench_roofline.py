@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_roofline_") as tmp:
         config = load_config("bandit", [
-            f"model={args.model}", f"trainer.precision={args.precision}", f"trainer.num_threads={args.threads}",
+            "trainer.device=cpu", f"model={args.model}", f"trainer.precision={args.precision}", f"trainer.num_threads={args.threads}",
             f"trainer.output_dir={tmp}/run", "trainer.progress_bar=false", "trainer.plot=false",
             "trainer.save_final=false", "trainer.logger=[jsonl]", f"seed={args.seed}",
         ])

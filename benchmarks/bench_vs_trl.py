@@ -69,7 +69,7 @@ def run_ragen(args, out_dir: Path) -> dict:
 
     precision = "bf16" if args.bf16 else "fp32"
     config = load_config("bandit", [
-        f"rollout.env_groups={args.prompts}", f"rollout.group_size={args.group}",
+        "trainer.device=cpu", f"rollout.env_groups={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.max_new_tokens={args.new_tokens}", f"rollout.temperature={args.temperature}",
         f"optim.lr={args.lr}", "optim.warmup_steps=0", "algorithm.ppo_epochs=1", "algorithm.mini_batch_size=0",
         f"algorithm.micro_batch_size={args.prompts * args.group}",

@@ -40,7 +40,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = f"/tmp/bench_zero_gradient-{os.getpid()}"
-    trainer = StarPOTrainer(load_config("bandit", [f"model={args.model}", f"trainer.output_dir={out}", "trainer.val_episodes=1"]))
+    trainer = StarPOTrainer(load_config("bandit", [f"model={args.model}", f"trainer.output_dir={out}", "trainer.val_episodes=1",
+                                                   "trainer.device=cpu"]))
     trajectories = trainer.rollout(1)
     for t in trajectories:  # every group's rewards equal: GRPO advantages exactly 0
         for turn in t.turns:

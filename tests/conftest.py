@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite is the CPU suite on every machine (trainer.device=auto would pick a visible GPU):
+# GPU checks are opt-in, RAGEN_TEST_CUDA=1 pytest tests/train/test_device.py (docs/scaling.md).
+if os.environ.get("RAGEN_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

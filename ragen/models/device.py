@@ -21,12 +21,12 @@ import torch
 
 #: What ``trainer.device`` accepts (``cuda:N`` for any N).
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
-_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_device_spec(spec: str) -> str | None:
     """Why ``spec`` is not a valid ``trainer.device`` value, or None when it is (no hardware check)."""
-    if not isinstance(spec, str) or not _PATTERN.match(spec):
+    if not isinstance(spec, str) or not _PATTERN.fullmatch(spec):
         return f"must be one of {', '.join(DEVICE_CHOICES)}, got {spec!r}"
     return None
 
@@ -34,8 +34,11 @@ def check_device_spec(spec: str) -> str | None:
 def resolve_device(spec: str = "auto", key: str = "trainer.device") -> torch.device:
     """The ``torch.device`` for ``spec``; ``auto``/``cuda`` mean ``cuda:LOCAL_RANK`` (0 outside torchrun).
 
-    Raises ``ValueError`` naming ``key`` and the problem when the spec is malformed, CUDA is
-    asked for but not visible, or the index is past the visible GPUs.
+    A CUDA result also becomes the process's current CUDA device (``torch.cuda.set_device``),
+    so helpers that look at "the" GPU look at this one. Raises ``ValueError`` naming ``key``
+    and the problem when the spec is malformed, CUDA is asked for but not visible, the index
+    is past the visible GPUs, or an explicit ``cuda:N`` is given to a multi-process
+    (``torchrun``) run, where every rank would take the same GPU.
     """
     problem = check_device_spec(spec)
     if problem:
@@ -45,10 +48,14 @@ def resolve_device(spec: str = "auto", key: str = "trainer.device") -> torch.dev
     if not torch.cuda.is_available():
         raise ValueError(f"config key {key!r}: {spec!r} asks for CUDA, but torch sees no CUDA GPU here "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use cpu or auto")
+    if ":" in spec and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"config key {key!r}: {spec!r} would put every torchrun rank on the same GPU; "
+                         "use auto or cuda (= cuda:LOCAL_RANK, one GPU per rank)")
     index = int(spec.split(":")[1]) if ":" in spec else int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if index >= count:
         raise ValueError(f"config key {key!r}: {spec!r} means cuda:{index}, but only {count} CUDA GPU(s) are visible")
+    torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 

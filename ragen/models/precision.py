@@ -11,6 +11,7 @@ into the run's resolved config so a run is reproducible on the same hardware.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -45,5 +46,19 @@ def resolve_precision(precision: str, device: str = "auto") -> str:
         return precision
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if on_gpu:
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if gpu_has_native_bf16(device) else "fp32"
     return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+def gpu_has_native_bf16(device: str = "auto") -> bool:
+    """True when the run's GPU (``cuda:N``, else ``cuda:LOCAL_RANK``) computes bf16 natively (Ampere or newer).
+
+    ``torch.cuda.is_bf16_supported()`` alone also says yes on older GPUs that only emulate it.
+    """
+    if not torch.cuda.is_available():
+        return False
+    index = int(device.split(":")[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        return False  # resolve_device reports the bad index
+    with torch.cuda.device(index):
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))

@@ -24,8 +24,13 @@ the trainer back the same :class:`~ragen.agent.Trajectory` list a local rollout 
   with the same weights reference, up to :data:`MAX_RETRIES` times per worker per step. The
   other workers' results are kept, so no trajectory is lost or played twice.
 
-Validation stays local (the trainer's own backend). Only the HF engine is supported on
-workers. Ray is imported lazily: without ``rollout.backend=ray`` nothing here runs.
+* **Validation** runs on the same actors: each also holds a contiguous share of the
+  validation slots (:func:`split_evenly`, one episode per slot) and plays it with the
+  validation sampling params, the weights of that moment and its own seed stream
+  (``stream="val"``); the same fault handling applies.
+
+Only the HF engine is supported on workers. Ray is imported lazily: without
+``rollout.backend=ray`` nothing here runs.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
 from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
-from ragen.train.env_sets import Slots, train_sets
+from ragen.train.env_sets import Slots, train_sets, val_sets
 
 #: Replacements per worker per step before the step fails.
 MAX_RETRIES = 3
@@ -62,9 +67,29 @@ def partition(n_groups: int, group_size: int, num_workers: int) -> list[tuple[in
     return ranges
 
 
-def worker_seed(run_seed: int, step: int, index: int) -> int:
-    """The sampling seed of worker ``index`` at ``step`` (independent streams via ``SeedSequence``)."""
-    return int(np.random.SeedSequence([run_seed, step, index]).generate_state(1)[0])
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges ``[start, end)`` covering ``0..n``, sizes within one of each other (some may be empty)."""
+    base, extra = divmod(n, parts)
+    ranges, start = [], 0
+    for w in range(parts):
+        end = start + base + (1 if w < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+#: Which of a worker's slot sets a call plays: the training share or the validation share.
+STREAMS = ("train", "val")
+
+
+def worker_seed(run_seed: int, step: int, index: int, stream: str = "train") -> int:
+    """The sampling seed of worker ``index`` at ``step`` (independent streams via ``SeedSequence``).
+
+    Validation draws from its own stream, so validating at a step never replays that step's
+    training samples.
+    """
+    entropy = [run_seed, step, index] if stream == "train" else [run_seed, step, index, STREAMS.index(stream)]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def build_slots(config: RunConfig, start: int, end: int) -> Slots:
@@ -80,7 +105,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class RolloutWorker:
     """One actor's env slots and policy replica (made a Ray actor by :class:`RayRolloutPool`)."""
 
-    def __init__(self, config: RunConfig, index: int, start: int, end: int):
+    def __init__(self, config: RunConfig, index: int, start: int, end: int, val_start: int = 0, val_end: int = 0):
         if config.trainer.num_threads > 0:
             torch.set_num_threads(config.trainer.num_threads)
         self.config, self.index, self.start, self.end = config, index, start, end
@@ -93,6 +118,7 @@ class RolloutWorker:
         backend = HFBackend.from_config(model, tokenizer, config)
         self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
         self.slots = build_slots(config, start, end)
+        self.val_slots = Slots.build(val_sets(config), 1, val_start, val_end)  # one env per validation episode
 
     def ping(self) -> int:
         return os.getpid()
@@ -105,18 +131,20 @@ class RolloutWorker:
         for name, value in weights.items():
             self.params[name].copy_(value)
 
-    def run(self, step: int, weights, seeds: list[int], group_ids: list[int], sampling: SamplingParams) -> list[Trajectory]:
-        """Load ``weights``, seed the sampler from ``(seed, step, index)``, play this worker's slots."""
-        if len(seeds) != len(self.slots) or len(group_ids) != len(self.slots):
-            raise ValueError(f"rollout worker {self.index}: {len(seeds)} seeds for {len(self.slots)} slots")
+    def run(self, step: int, weights, seeds: list[int], group_ids: list[int], sampling: SamplingParams,
+            stream: str = "train") -> list[Trajectory]:
+        """Load ``weights``, seed the sampler from ``(seed, step, index, stream)``, play this worker's slots of ``stream``."""
+        slots = self.slots if stream == "train" else self.val_slots
+        if len(seeds) != len(slots) or len(group_ids) != len(slots):
+            raise ValueError(f"rollout worker {self.index}: {len(seeds)} seeds for {len(slots)} {stream} slots")
         if weights is not None:
             self.load_weights(weights)
-        seed = worker_seed(self.config.seed, step, self.index)
+        seed = worker_seed(self.config.seed, step, self.index, stream)
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         self.rollout.sampling = sampling
-        s = self.slots
+        s = slots
         return self.rollout.run(s.envs, seeds, group_ids, s.env_names, settings=s.settings, tags=s.tags)
 
 
@@ -157,6 +185,7 @@ class RayRolloutPool:
         r = config.rollout
         n_groups = sum(s.count for s in train_sets(config))
         self.ranges = partition(n_groups, r.group_size, r.num_workers)
+        self.val_ranges = split_evenly(sum(s.count for s in val_sets(config)), len(self.ranges))
         self.owns_ray = init_ray(r.ray_address, num_cpus=max(len(self.ranges) + 1, os.cpu_count() or 1))
         self.actor = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
         self.workers = [self._spawn(i) for i in range(len(self.ranges))]
@@ -167,12 +196,16 @@ class RayRolloutPool:
     def num_slots(self) -> int:
         return self.ranges[-1][1]
 
-    def _spawn(self, index: int):
-        return self.actor.remote(self.config, index, *self.ranges[index])
+    @property
+    def num_val_slots(self) -> int:
+        return self.val_ranges[-1][1]
 
-    def _submit(self, index: int, step: int, weights_ref, seeds, group_ids, sampling):
-        start, end = self.ranges[index]
-        return self.workers[index].run.remote(step, weights_ref, seeds[start:end], group_ids[start:end], sampling)
+    def _spawn(self, index: int):
+        return self.actor.remote(self.config, index, *self.ranges[index], *self.val_ranges[index])
+
+    def _submit(self, index: int, step: int, weights_ref, seeds, group_ids, sampling, stream: str):
+        start, end = (self.ranges if stream == "train" else self.val_ranges)[index]
+        return self.workers[index].run.remote(step, weights_ref, seeds[start:end], group_ids[start:end], sampling, stream)
 
     def replace(self, index: int) -> None:
         """Start a fresh actor for worker ``index`` (same slot range); the old one is killed if still there."""
@@ -184,16 +217,21 @@ class RayRolloutPool:
         self.restarts += 1
 
     def run(self, step: int, seeds: Sequence[int], group_ids: Sequence[int], sampling: SamplingParams,
-            model: torch.nn.Module) -> list[Trajectory]:
-        """One step's rollout: weights into the object store once, every worker plays its slice, results in slot order."""
+            model: torch.nn.Module, stream: str = "train") -> list[Trajectory]:
+        """One step's rollout (or, ``stream="val"``, validation): weights into the object store once,
+        every worker plays its slice, results in slot order."""
         ray = self.ray
-        if len(seeds) != self.num_slots or len(group_ids) != self.num_slots:
-            raise ValueError(f"{len(seeds)} seeds / {len(group_ids)} group ids for {self.num_slots} training slots")
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+        expected = self.num_slots if stream == "train" else self.num_val_slots
+        if len(seeds) != expected or len(group_ids) != expected:
+            raise ValueError(f"{len(seeds)} seeds / {len(group_ids)} group ids for {expected} {stream} slots")
         seeds, group_ids = [int(s) for s in seeds], [int(g) for g in group_ids]
         weights_ref = ray.put(trainable_state(model))
-        args = (step, weights_ref, seeds, group_ids, sampling)
-        pending = {self._submit(i, *args): i for i in range(len(self.workers))}
-        results: list[list[Trajectory] | None] = [None] * len(self.workers)
+        args = (step, weights_ref, seeds, group_ids, sampling, stream)
+        ranges = self.ranges if stream == "train" else self.val_ranges
+        pending = {self._submit(i, *args): i for i in range(len(self.workers)) if ranges[i][1] > ranges[i][0]}
+        results: list[list[Trajectory]] = [[] for _ in self.workers]
         failures = [0] * len(self.workers)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -205,7 +243,7 @@ class RayRolloutPool:
                 if failures[index] > MAX_RETRIES:
                     raise RuntimeError(f"rollout worker {index} died {failures[index]} times at step {step}") from exc
                 print(f"[ragen] rollout worker {index} died at step {step} ({type(exc).__name__}); "
-                      f"replacing it and replaying its {len(seeds[slice(*self.ranges[index])])} episodes", flush=True)
+                      f"replacing it and replaying its {len(seeds[slice(*ranges[index])])} {stream} episodes", flush=True)
                 self.replace(index)
                 pending[self._submit(index, *args)] = index
         return [traj for part in results for traj in part]

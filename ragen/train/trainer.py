@@ -157,11 +157,11 @@ class StarPOTrainer:
             metrics.update(collapse_signals(trajectories))
             metrics.update({"step": step, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0})
             if cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0 and step != cfg.trainer.total_steps:
-                val = self.validate()
+                val = self.validate(step)
                 metrics.update(val)
                 self.report_validation(f"at step {step}", val, write=bar.write)
             if step == cfg.trainer.total_steps:
-                val = self.validate()
+                val = self.validate(step)
                 summary["val_after"] = val
                 metrics.update(val)
             self.log(metrics)
@@ -193,7 +193,7 @@ class StarPOTrainer:
         self.close_loggers()
         self.close_rollout_pool()
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
-            summary["val_after"] = self.validate()
+            summary["val_after"] = self.validate(self.start_step)
         if not self.is_main:  # nothing to write: rank 0 saves, plots and summarises
             return {**summary, "wall_time_s": time.perf_counter() - start}
         if cfg.trainer.save_final:
@@ -430,15 +430,23 @@ class StarPOTrainer:
 
     # ================================ plumbing ========================================
 
-    def validate(self) -> dict[str, float]:
-        """Every validation tag on its fixed held-out seeds ``VAL_SEED_BASE + i``, one batch; ``val/…`` and ``val/<tag>/…``."""
+    def validate(self, step: int = 0) -> dict[str, float]:
+        """Every validation tag on its fixed held-out seeds ``VAL_SEED_BASE + i``, one batch; ``val/…`` and ``val/<tag>/…``.
+
+        With ``rollout.backend=ray`` the Ray workers play it (each its share of the episodes,
+        current weights, a sampling stream seeded from ``step``); otherwise this process does.
+        """
         if not self.is_main:  # under torchrun rank 0 validates; the others have nothing to log
             return {}
+        return tag_metrics(self.validation_trajectories(step), "val")
+
+    def validation_trajectories(self, step: int = 0) -> list[Trajectory]:
         seeds = [VAL_SEED_BASE + i for s in self.val_sets for i in range(s.count)]
+        group_ids = list(range(len(seeds)))
+        if self.rollout_pool is not None:
+            return self.rollout_pool.run(step, seeds, group_ids, self.val_rollout.sampling, self.model, stream="val")
         slots = self.val_slots
-        trajectories = self.val_rollout.run(slots.envs, seeds, list(range(len(seeds))), slots.env_names,
-                                            settings=slots.settings, tags=slots.tags)
-        return tag_metrics(trajectories, "val")
+        return self.val_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
     def logged_validation(self, step: int) -> dict[str, float]:
         """The ``val/*`` metrics ``metrics.jsonl`` holds for ``step`` (empty if none were logged)."""

@@ -1,10 +1,12 @@
 """trainer.device: resolving it, refusing bad values, and every stage running with the model on that device.
 
-The device-parametrised tests run on ``cpu`` everywhere and on ``cuda`` where a CUDA GPU is
-visible (skipped here, with the reason shown): the same code path, compared with a CPU
-reference computed in the same test.
+The device-parametrised tests run on ``cpu`` everywhere and on ``cuda`` when asked for on a
+machine with a GPU (``RAGEN_TEST_CUDA=1 pytest tests/train/test_device.py``; the rest of the
+suite is pinned to the CPU by ``tests/conftest.py``): the same code path, checked against a CPU
+reference computed in the same test or by where every tensor lives.
 """
 
+import contextlib
 import copy
 import json
 
@@ -18,13 +20,18 @@ from ragen.envs import make
 from ragen.models import HFBackend, SamplingParams
 from ragen.models import device as dev
 from ragen.models import precision as prec
+from safetensors.torch import load_file
+
 from ragen.sft.config import load_sft_config
 from ragen.train.batch import TrainBatch
 from ragen.train.logprobs import policy_forward
-from ragen.train.trainer import UpdateTargets
+from ragen.train.trainer import StarPOTrainer, UpdateTargets
+
+from tests.train.test_end_to_end import shared_prompt_trajectories
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA GPU on this machine"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="no CUDA GPU visible (on a GPU machine: RAGEN_TEST_CUDA=1 pytest tests/train/test_device.py)"))]
 FAST = ["model=tiny", "trainer.progress_bar=false", "trainer.val_episodes=2", "rollout.env_groups=2",
         "rollout.group_size=2", "rollout.max_new_tokens=8"]
 
@@ -32,9 +39,13 @@ FAST = ["model=tiny", "trainer.progress_bar=false", "trainer.val_episodes=2", "r
 # -- resolving the spec ----------------------------------------------------------------------
 
 
-def fake_gpus(monkeypatch, count: int) -> None:
+def fake_gpus(monkeypatch, count: int) -> list[int]:
+    """Pretend ``count`` GPUs are visible; returns the list ``set_device`` calls are recorded in."""
+    current = []
     monkeypatch.setattr(dev.torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(dev.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dev.torch.cuda, "set_device", current.append)
+    return current
 
 
 def test_auto_is_the_cpu_without_cuda(monkeypatch):
@@ -44,14 +55,19 @@ def test_auto_is_the_cpu_without_cuda(monkeypatch):
 
 
 def test_auto_and_cuda_take_the_local_rank_gpu(monkeypatch):
-    fake_gpus(monkeypatch, 4)
+    current = fake_gpus(monkeypatch, 4)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert dev.resolve_device("auto") == torch.device("cuda", 0)
+    assert dev.resolve_device("cuda:1") == torch.device("cuda", 1)  # an explicit index, one process
+    assert current == [0, 1]  # each CUDA result became the current device
     monkeypatch.setenv("LOCAL_RANK", "3")  # torchrun's fourth process on this node
+    monkeypatch.setenv("WORLD_SIZE", "4")
     assert dev.resolve_device("auto") == torch.device("cuda", 3)
     assert dev.resolve_device("cuda") == torch.device("cuda", 3)
-    assert dev.resolve_device("cuda:1") == torch.device("cuda", 1)  # an explicit index wins
     assert dev.resolve_device("cpu") == torch.device("cpu")  # and cpu stays cpu with GPUs around
+    with pytest.raises(ValueError, match=r"'trainer.device'.*every torchrun rank on the same GPU"):
+        dev.resolve_device("cuda:1")
 
 
 def test_missing_or_too_few_gpus_are_named(monkeypatch):
@@ -63,7 +79,7 @@ def test_missing_or_too_few_gpus_are_named(monkeypatch):
         dev.resolve_device("cuda:2")
 
 
-@pytest.mark.parametrize("spec", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:0:1", "mps", ""])
+@pytest.mark.parametrize("spec", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:0:1", "mps", "", "cpu\n", " cpu"])
 def test_malformed_specs_are_refused(spec):
     assert dev.check_device_spec(spec) is not None
     with pytest.raises(ValueError, match="trainer.device"):
@@ -94,12 +110,27 @@ def test_train_with_cuda_on_a_cpu_machine_exits_2_naming_the_key(tmp_path, capsy
 def test_auto_precision_judges_the_device_the_run_uses(monkeypatch):
     """A visible bf16 GPU must not make a ``trainer.device=cpu`` run use bf16 on a CPU without it."""
     monkeypatch.setattr(prec.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(prec.torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(prec, "gpu_has_native_bf16", lambda device="auto": True)
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
     assert prec.resolve_precision("auto", "auto") == "bf16"
     assert prec.resolve_precision("auto", "cuda:0") == "bf16"
     assert prec.resolve_precision("auto", "cpu") == "fp32"
     assert load_config("bandit", ["trainer.device=cpu"]).trainer.precision == "fp32"
+
+
+def test_gpus_that_only_emulate_bf16_get_fp32(monkeypatch):
+    """``is_bf16_supported()`` says yes on pre-Ampere GPUs (emulation); auto must ask for native support."""
+    asked = []
+
+    def supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation  # an emulating GPU: yes with emulation, no without
+
+    monkeypatch.setattr(prec.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(prec.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(prec.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(prec.torch.cuda, "is_bf16_supported", supported)
+    assert prec.resolve_precision("auto", "cuda:1") == "fp32" and asked == [False]
 
 
 # -- tensors follow the model ----------------------------------------------------------------
@@ -175,6 +206,24 @@ def test_greedy_multi_turn_rollout_on_the_device_plays_the_cpu_tokens(tiny, devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_every_trained_tensor_lives_on_the_device(tmp_path, device):
+    """Policy, LoRA adapters, critic, KL reference and AdamW state on the device after a real update."""
+    for extra in (["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true"], ["lora.rank=4", "algorithm.use_kl_loss=true"]):
+        config = load_config("bandit", ["model=tiny", "trainer.val_episodes=1", f"trainer.device={device}",
+                                        f"trainer.output_dir={tmp_path / extra[0]}", *extra])
+        trainer = StarPOTrainer(config)
+        metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
+        assert metrics["actor/grad_norm"] > 0
+        tensors = list(trainer.model.parameters()) + [s for st in trainer.optimizer.state.values()
+                                                      for k, s in st.items() if k != "step"]
+        if trainer.value_head is not None:
+            tensors += list(trainer.value_head.parameters())
+        if trainer.ref_model is not None:
+            tensors += list(trainer.ref_model.parameters())
+        assert trainer.optimizer.state and {t.device.type for t in tensors} == {device}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_train_checkpoint_resume_and_sft_on_the_device(tmp_path, device):
     """PPO with a critic and a KL reference (every model-side tensor of the update), checkpoints, resume, SFT."""
     run = tmp_path / "rl"
@@ -185,6 +234,8 @@ def test_train_checkpoint_resume_and_sft_on_the_device(tmp_path, device):
     assert [line["step"] for line in lines] == [0, 1, 2]
     assert all(line["actor/grad_norm"] > 0 and "critic/explained_variance" in line for line in lines[1:])
     assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file() and (run / "final" / "model.safetensors").is_file()
+    rng = load_file(run / "checkpoints" / "step_000002" / "rng.safetensors")
+    assert ("torch_cuda_0" in rng) == (device == "cuda")  # GPU sampling's generator is saved too
     assert main(["train", "--resume", str(run), "trainer.total_steps=3"]) == 0
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 

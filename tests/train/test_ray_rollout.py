@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 from ragen.cli import main  # noqa: E402
 from ragen.config import load_config  # noqa: E402
-from ragen.train.ray_rollout import build_slots, init_ray, partition, worker_seed  # noqa: E402
+from ragen.train.ray_rollout import build_slots, init_ray, partition, split_evenly, worker_seed  # noqa: E402
 from ragen.train.trainer import StarPOTrainer  # noqa: E402
 
 # 3 groups of 2 over 2 workers: unequal slices (2 groups | 1 group), 2-turn Sokoban episodes.
@@ -67,6 +67,16 @@ def test_partition_is_contiguous_and_group_aligned():
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert all((end - start) % size == 0 and end > start for start, end in ranges)
     assert len({worker_seed(0, s, i) for s in range(3) for i in range(3)}) == 9
+    assert worker_seed(0, 1, 0, "val") != worker_seed(0, 1, 0)  # validation has its own stream
+
+
+def test_split_evenly_covers_every_validation_slot_once():
+    assert split_evenly(3, 2) == [(0, 2), (2, 3)]
+    assert split_evenly(1, 3) == [(0, 1), (1, 1), (1, 1)]  # workers without a validation episode
+    for n, parts in [(0, 2), (7, 3), (64, 5)]:
+        ranges = split_evenly(n, parts)
+        assert len(ranges) == parts and ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_worker_slots_are_a_slice_of_the_trainers_slots():
@@ -87,6 +97,22 @@ def test_ray_rollout_equals_local_rollout_greedy(ray_trainer, tmp_path):
     assert any(t.response_length > 0 for t in remote)
     for a, b in zip(expected, remote):
         assert _key(a) == _key(b)
+
+
+def test_validation_on_ray_workers_equals_local_validation_greedy(ray_trainer, tmp_path):
+    local = _trainer(tmp_path, "local")
+    local.model.load_state_dict(ray_trainer.model.state_dict())
+    saved = ray_trainer.val_rollout.sampling
+    try:
+        for trainer in (ray_trainer, local):  # greedy: the same tokens whatever the sampling stream
+            trainer.val_rollout.sampling = dataclasses.replace(saved, do_sample=False)
+        assert ray_trainer.rollout_pool.val_ranges == [(0, 1), (1, 2)]  # one validation episode per worker
+        remote, expected = ray_trainer.validation_trajectories(4), local.validation_trajectories(4)
+        assert [t.seed for t in remote] == [2**31, 2**31 + 1]  # the held-out seeds, in order
+        assert [_key(t) for t in remote] == [_key(t) for t in expected]
+        assert ray_trainer.validate(4) == local.validate(4)
+    finally:
+        ray_trainer.val_rollout.sampling = saved
 
 
 def test_ray_workers_get_the_trained_weights(ray_trainer, tmp_path):
