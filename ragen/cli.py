@@ -204,7 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a positional ``overrides`` list at the first option, so
+    # ``ragen sft generate bandit --n 8 --out f.jsonl agent.max_turn=2`` leaves the override
+    # over: key=value words after options are overrides too, in the order given.
+    stray = [item for item in extra if item.startswith("-") or "=" not in item]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return args.func(args)
 
 

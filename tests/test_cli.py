@@ -44,3 +44,20 @@ def test_presets_and_overrides_layer():
 def test_ragen_envs_lists_builtin_envs():
     out = subprocess.run([sys.executable, "-m", "ragen", "envs"], capture_output=True, text=True, check=True).stdout
     assert "bandit" in out and "sokoban" in out and "max_steps" in out
+
+
+def test_overrides_may_follow_options(tmp_path, capsys):
+    """``ragen sft generate ENV --n N --out F key=value``: the override after the options still applies."""
+    import json
+
+    out = tmp_path / "think.jsonl"
+    assert main(["sft", "generate", "bandit", "--n", "2", "--out", str(out), "agent.enable_think=true",
+                 "agent.response_prefix=<think>"]) == 0
+    replies = [m["content"] for line in out.read_text().splitlines() for m in json.loads(line)["messages"]
+               if m["role"] == "assistant"]
+    assert replies and all("</think><answer>" in r for r in replies), replies  # the bandit preset alone: no think
+    with pytest.raises(SystemExit) as exit_info:  # a stray option still fails the argparse way
+        main(["sft", "generate", "bandit", "--n", "2", "--out", str(out), "--bogus"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # and so does a non key=value word
+        main(["sft", "generate", "bandit", "--n", "2", "--out", str(out), "stray"])
