@@ -190,3 +190,17 @@ def test_two_step_mixed_run_logs_per_tag_metrics(tmp_path):
         assert "train/reward_think" in line and "train/reward_prediction" in line
     summary = json.loads((out / "summary.json").read_text())
     assert "val/BanditTest/success" in summary["val_after"]
+
+
+@pytest.mark.parametrize("preset, env_cls", [("sokoban_study", "SokobanEnv"), ("frozenlake_study", "FrozenLakeEnv")])
+def test_study_presets_keep_the_envs_own_instructions(preset, env_cls):
+    """The study presets copy their env's instructions and add an example answer: the copy must not drift."""
+    config = load_config(preset)
+    (train,) = train_sets(config)
+    env = train.tag.make_env()
+    assert type(env.unwrapped).__name__ == env_cls
+    lines = lambda text: [line.rstrip() for line in text.splitlines()]  # noqa: E731 (the env has a trailing space)
+    own, copied = lines(env.unwrapped.instructions), lines(train.settings.instructions)
+    assert copied[: len(own)] == own, (own, copied)
+    assert "Example answer: <answer>" in train.settings.instructions
+    assert [s.name for s in val_sets(config)] == [train.name]
