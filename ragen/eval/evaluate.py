@@ -81,7 +81,6 @@ def make_backend(config: RunConfig):
         backend = OpenAIChatBackend(spec[len(OPENAI_PREFIX) :])
         return backend, backend.tokenizer
     from ragen.models import HFBackend, load_model
-
     from ragen.models.device import resolve_device
 
     model, tokenizer = load_model(spec, seed=config.seed)

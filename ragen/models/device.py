@@ -51,7 +51,7 @@ def resolve_device(spec: str = "auto", key: str = "trainer.device") -> torch.dev
     if ":" in spec and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"config key {key!r}: {spec!r} would put every torchrun rank on the same GPU; "
                          "use auto or cuda (= cuda:LOCAL_RANK, one GPU per rank)")
-    index = int(spec.split(":")[1]) if ":" in spec else int(os.environ.get("LOCAL_RANK", "0"))
+    index = cuda_index(spec)
     count = torch.cuda.device_count()
     if index >= count:
         raise ValueError(f"config key {key!r}: {spec!r} means cuda:{index}, but only {count} CUDA GPU(s) are visible")
@@ -59,9 +59,14 @@ def resolve_device(spec: str = "auto", key: str = "trainer.device") -> torch.dev
     return torch.device("cuda", index)
 
 
+def cuda_index(spec: str) -> int:
+    """The GPU a CUDA spec names: N for ``cuda:N``, else ``LOCAL_RANK`` (0 outside torchrun)."""
+    return int(spec.split(":")[1]) if ":" in spec else int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of ``model``'s first parameter (CPU for a model without parameters)."""
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-__all__ = ["DEVICE_CHOICES", "check_device_spec", "model_device", "resolve_device"]
+__all__ = ["DEVICE_CHOICES", "check_device_spec", "cuda_index", "model_device", "resolve_device"]

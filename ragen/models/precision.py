@@ -11,9 +11,10 @@ into the run's resolved config so a run is reproducible on the same hardware.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from ragen.models.device import cuda_index
 
 PRECISIONS = ("auto", "bf16", "fp32")
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -57,7 +58,7 @@ def gpu_has_native_bf16(device: str = "auto") -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    index = int(device.split(":")[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0"))
+    index = cuda_index(device)
     if index >= torch.cuda.device_count():
         return False  # resolve_device reports the bad index
     with torch.cuda.device(index):

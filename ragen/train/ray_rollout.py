@@ -58,13 +58,7 @@ def partition(n_groups: int, group_size: int, num_workers: int) -> list[tuple[in
     At most ``n_groups`` ranges: a worker without a group would have nothing to play.
     """
     workers = max(1, min(num_workers, n_groups))
-    base, extra = divmod(n_groups, workers)
-    ranges, group = [], 0
-    for w in range(workers):
-        count = base + (1 if w < extra else 0)
-        ranges.append((group * group_size, (group + count) * group_size))
-        group += count
-    return ranges
+    return [(first * group_size, last * group_size) for first, last in split_evenly(n_groups, workers)]
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -144,8 +138,7 @@ class RolloutWorker:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         self.rollout.sampling = sampling
-        s = slots
-        return self.rollout.run(s.envs, seeds, group_ids, s.env_names, settings=s.settings, tags=s.tags)
+        return self.rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
 
 def init_ray(address: str = "", num_cpus: int | None = None) -> bool:
@@ -192,19 +185,15 @@ class RayRolloutPool:
         self.restarts = 0
         ray.get([w.ping.remote() for w in self.workers])  # constructor errors surface here, not mid-training
 
-    @property
-    def num_slots(self) -> int:
-        return self.ranges[-1][1]
-
-    @property
-    def num_val_slots(self) -> int:
-        return self.val_ranges[-1][1]
-
     def _spawn(self, index: int):
         return self.actor.remote(self.config, index, *self.ranges[index], *self.val_ranges[index])
 
+    def _ranges(self, stream: str) -> list[tuple[int, int]]:
+        """Each worker's slot range of ``stream`` (training or validation)."""
+        return self.ranges if stream == "train" else self.val_ranges
+
     def _submit(self, index: int, step: int, weights_ref, seeds, group_ids, sampling, stream: str):
-        start, end = (self.ranges if stream == "train" else self.val_ranges)[index]
+        start, end = self._ranges(stream)[index]
         return self.workers[index].run.remote(step, weights_ref, seeds[start:end], group_ids[start:end], sampling, stream)
 
     def replace(self, index: int) -> None:
@@ -223,13 +212,13 @@ class RayRolloutPool:
         ray = self.ray
         if stream not in STREAMS:
             raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
-        expected = self.num_slots if stream == "train" else self.num_val_slots
+        ranges = self._ranges(stream)
+        expected = ranges[-1][1]
         if len(seeds) != expected or len(group_ids) != expected:
             raise ValueError(f"{len(seeds)} seeds / {len(group_ids)} group ids for {expected} {stream} slots")
         seeds, group_ids = [int(s) for s in seeds], [int(g) for g in group_ids]
         weights_ref = ray.put(trainable_state(model))
         args = (step, weights_ref, seeds, group_ids, sampling, stream)
-        ranges = self.ranges if stream == "train" else self.val_ranges
         pending = {self._submit(i, *args): i for i in range(len(self.workers)) if ranges[i][1] > ranges[i][0]}
         results: list[list[Trajectory]] = [[] for _ in self.workers]
         failures = [0] * len(self.workers)
