@@ -256,6 +256,10 @@ class TrainerConfig:
     share_prompt_prefix: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
+    #: Under ``torchrun``: shard the decoder layers' weights, gradients and AdamW moments over the
+    #: ranks (FSDP2) instead of keeping a whole copy on each. Same updates up to float rounding; rank 0
+    #: keeps an unsharded replica to generate with. No effect in a single process. ragen/train/fsdp.py.
+    fsdp: bool = False
 
 
 @dataclass
@@ -332,6 +336,10 @@ def validate(config: RunConfig) -> None:
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
+    if config.trainer.fsdp:
+        from ragen.train.fsdp import fsdp_available
+
+        need(fsdp_available(), "trainer.fsdp", "this torch has no FSDP2 (torch.distributed.fsdp.fully_shard); needs torch >= 2.6")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
@@ -389,7 +397,7 @@ def user_tag_dicts(config: RunConfig) -> dict[str, dict[str, Any]]:
 RESUME_SAFE_KEYS = {
     "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
-    "trainer.logger", "trainer.plot",
+    "trainer.logger", "trainer.plot", "trainer.fsdp",
 }
 
 

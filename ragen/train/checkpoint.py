@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ragen.train.fsdp import full_tensor, like
+
 COMPLETE = "COMPLETE"
 
 
@@ -61,14 +63,22 @@ def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor], seed_rn
 
 
 def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                    scheduler, seed_rng: np.random.Generator, extra: dict[str, Any], keep: int = 2) -> Path:
-    """Write the checkpoint for ``step`` atomically and prune to the newest ``keep``."""
+                    scheduler, seed_rng: np.random.Generator, extra: dict[str, Any], keep: int = 2,
+                    write: bool = True) -> Path | None:
+    """Write the checkpoint for ``step`` atomically and prune to the newest ``keep``.
+
+    Sharded (FSDP) parameters and optimizer moments are gathered whole first: a collective, so
+    under FSDP every rank calls this, and only the one with ``write=True`` writes.
+    """
+    model_tensors = {k: _cpu_copy(v) for k, v in named_params.items()}
+    opt_tensors, opt_json = _optimizer_state(optimizer, named_params)
+    if not write:
+        return None
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        save_file({k: _cpu_copy(v) for k, v in named_params.items()}, tmp / "model.safetensors")
-        opt_tensors, opt_json = _optimizer_state(optimizer, named_params)
+        save_file(model_tensors, tmp / "model.safetensors")
         save_file(opt_tensors, tmp / "optimizer.safetensors")
         rng_json, rng_tensors = rng_state(seed_rng)
         save_file(rng_tensors, tmp / "rng.safetensors")
@@ -126,7 +136,7 @@ def restore_latest(run_dir: Path, named_params: dict[str, torch.Tensor], optimiz
         raise ValueError(f"checkpoint {path} does not match this model: missing {sorted(missing)[:3]}")
     with torch.no_grad():
         for name, param in named_params.items():
-            param.copy_(ckpt["params"][name])
+            param.copy_(like(param, ckpt["params"][name]))  # a sharded parameter takes its own shard
     restore_optimizer(optimizer, named_params, ckpt["optimizer_tensors"], ckpt["state"]["optimizer"])
     scheduler.load_state_dict(ckpt["state"]["scheduler"])
     restore_rng(ckpt["state"]["rng"], ckpt["rng_tensors"], seed_rng)
@@ -149,8 +159,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, 
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, name in enumerate(names):
         keys = [k for k in tensors if k.startswith(f"{name}::")]
-        if keys:
-            state[i] = {k.split("::", 1)[1]: tensors[k] for k in keys}
+        if keys:  # moments of a sharded parameter are sharded like it (AdamW's scalar step is not)
+            state[i] = {k.split("::", 1)[1]: like(named_params[name], tensors[k]) for k in keys}
     state_dict["state"] = state
     optimizer.load_state_dict(state_dict)
 
@@ -168,8 +178,9 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, t
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy (safetensors writes host memory; the live tensor may be on a GPU)."""
-    return tensor.detach().to("cpu", copy=True).contiguous()
+    """A contiguous CPU copy of the whole tensor (safetensors writes host memory; the live tensor may
+    be on a GPU, or an FSDP shard, gathered here: a collective)."""
+    return full_tensor(tensor.detach()).to("cpu", copy=True).contiguous()
 
 
 def _to_json(obj):

@@ -45,6 +45,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ragen.train.fsdp import is_sharded
+
 
 def init_distributed(timeout_s: float = 3600.0) -> tuple[int, int]:
     """Join the process group ``torchrun`` describes (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``); return ``(rank, world)``.
@@ -100,9 +102,11 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
 
     SUM, not mean: each rank's loss is already weighted by its share of the *global* tokens
     (see the module docstring). Gradients are flattened per dtype/device into one buffer.
+    FSDP-sharded parameters (``trainer.fsdp``) are skipped: FSDP sums their gradients itself.
     """
     if rank_world()[1] == 1:
         return
+    params = [p for p in params if not is_sharded(p)]  # FSDP shards: already summed by their reduce-scatter
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

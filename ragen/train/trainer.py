@@ -30,6 +30,7 @@ from ragen.models.device import resolve_device
 from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
+from ragen.train.fsdp import clip_grad_norm_, micro_batch_count, shard_layers, sync_replica
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
@@ -81,6 +82,15 @@ class StarPOTrainer:
             self.model.to(self.device)  # adapters join their base layers' device
         train_top_layers(self.model, config.optim.trainable_layers)
         self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if alg.adv_estimator in CRITIC_ESTIMATORS else None
+        # What rank 0 generates with: the trained model itself, or under FSDP an unsharded replica
+        # kept in step by sync_rollout_weights() (a sharded model needs every rank in each forward).
+        self.rollout_model = self.model
+        self.fsdp = config.trainer.fsdp and self.world > 1
+        if self.fsdp:
+            self.rollout_model = copy.deepcopy(self.model) if self.is_main else None
+            shard_layers(self.model, self.device)
+            if self.ref_model is not None:
+                shard_layers(self.ref_model, self.device)
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor()
         self.optimizer = torch.optim.AdamW(
@@ -95,9 +105,9 @@ class StarPOTrainer:
         if config.rollout.engine == "vllm" and self.is_main:  # only rank 0 rolls out; other ranks need just pad_id
             from ragen.models.vllm_backend import VLLMBackend
 
-            self.backend = VLLMBackend(self.model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
-        else:
-            self.backend = HFBackend.from_config(self.model, self.tokenizer, config)
+            self.backend = VLLMBackend(self.rollout_model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
+        else:  # ranks other than 0 never generate: under FSDP they hold no replica, and need only pad_id
+            self.backend = HFBackend.from_config(self.model if self.rollout_model is None else self.rollout_model, self.tokenizer, config)
         agent = AgentSettings(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout
@@ -215,7 +225,7 @@ class StarPOTrainer:
         seeds = [int(s) for s in np.repeat(group_seeds, size)]
         group_ids = [g for g in range(n_groups) for _ in range(size)]
         if self.rollout_pool is not None:  # each worker plays its group-aligned share; this step's weights go along
-            return self.rollout_pool.run(step, seeds, group_ids, self.train_rollout.sampling, self.model)
+            return self.rollout_pool.run(step, seeds, group_ids, self.train_rollout.sampling, self.rollout_model)
         slots = self.train_slots
         return self.train_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
@@ -279,11 +289,20 @@ class StarPOTrainer:
         return metrics
 
     def sync_rollout_weights(self) -> bool:
-        """rollout.engine=vllm: push the trained tensors into the engine (the HF backend shares the model itself)."""
-        sync = getattr(self.backend, "sync_weights", None)
-        if sync is None:
+        """Bring what rank 0 generates with up to date with the trained weights; True if anything was copied.
+
+        Under FSDP every rank gathers the trained (``requires_grad``) tensors, a collective, and rank 0
+        copies them into its replica; frozen weights never change. rollout.engine=vllm: the trained
+        tensors are then pushed into the engine. Otherwise the HF backend shares the model itself.
+        """
+        sync = getattr(self.backend, "sync_weights", None) if self.is_main else None
+        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.fsdp:
+            trained = sync_replica(trained, self.rollout_model)
+        elif sync is None:
             return False
-        sync((n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad)
+        if sync is not None:
+            sync((n, p.detach()) for n, p in trained)
         return True
 
     def uncertainty_filter(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
@@ -328,11 +347,17 @@ class StarPOTrainer:
         mine = shard(len(batch), *rank_world())
         local, local_targets = batch.select(mine), targets.select(mine)
         sums: dict[str, float] = {}
-        for start in range(0, len(local), alg.micro_batch_size):
-            rows = slice(start, start + alg.micro_batch_size)
-            micro = local.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
+        size = alg.micro_batch_size
+        # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);
+        # a rank out of rows repeats the batch's first row with weight 0.
+        count = micro_batch_count(len(batch), size, self.world) if self.fsdp else -(-len(local) // size)
+        for i in range(count):
+            padding = i * size >= len(local)
+            source, source_targets = (batch, targets) if padding else (local, local_targets)
+            rows = slice(0, 1) if padding else slice(i * size, (i + 1) * size)
+            micro = source.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
             T = micro.response_mask.shape[1]
-            tgt = local_targets.select(rows, T).to(self.device)
+            tgt = source_targets.select(rows, T).to(self.device)
             with autocast(self.config.trainer.precision, self.device.type), torch.set_grad_enabled(not zero_gradient):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
@@ -359,6 +384,8 @@ class StarPOTrainer:
                 step_metrics["critic/explained_variance"] = explained_variance(tgt.returns, out.values.detach(), micro.response_mask)
             step_metrics["actor/loss"] = loss.item()
             share = (micro.response_mask.sum() / total_tokens) if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
+            if padding:
+                share = 0.0 * share
             if not zero_gradient:
                 (loss * share).backward()
             for k, v in step_metrics.items():
@@ -369,7 +396,7 @@ class StarPOTrainer:
         else:
             all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
         sums = reduce_metrics(sums, "sum")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)
+        grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
         self.optimizer.step()
         self.scheduler.step()
         return {**sums, "actor/grad_norm": float(grad_norm)}
@@ -444,7 +471,7 @@ class StarPOTrainer:
         seeds = [VAL_SEED_BASE + i for s in self.val_sets for i in range(s.count)]
         group_ids = list(range(len(seeds)))
         if self.rollout_pool is not None:
-            return self.rollout_pool.run(step, seeds, group_ids, self.val_rollout.sampling, self.model, stream="val")
+            return self.rollout_pool.run(step, seeds, group_ids, self.val_rollout.sampling, self.rollout_model, stream="val")
         slots = self.val_slots
         return self.val_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
@@ -517,8 +544,8 @@ class StarPOTrainer:
             self.rollout_pool = None
 
     def save(self, path: Path) -> None:
-        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors (rank 0: under FSDP from its synced replica)."""
+        self.rollout_model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         adapter_config = path / "adapter_config.json"
         if adapter_config.is_file():
@@ -536,10 +563,12 @@ class StarPOTrainer:
         return named
 
     def save_checkpoint(self, step: int) -> Path | None:
-        if not self.is_main:  # ranks hold identical weights and optimizer state
+        """Rank 0 writes. Without FSDP the ranks hold identical weights and optimizer state; with it
+        every rank joins the gathering of the sharded tensors (a collective) and rank 0 writes them whole."""
+        if not (self.is_main or self.fsdp):
             return None
         return save_checkpoint(self.run_dir, step, self.checkpoint_tensors(), self.optimizer, self.scheduler,
-                               self.seed_rng, extra={}, keep=self.config.trainer.keep_checkpoints)
+                               self.seed_rng, extra={}, keep=self.config.trainer.keep_checkpoints, write=self.is_main)
 
     def _resume(self) -> None:
         path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
