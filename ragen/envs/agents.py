@@ -14,8 +14,15 @@ The expert per env:
 
 * ``sokoban`` -- :func:`ragen.envs.sokoban.solve` (breadth-first search: a shortest plan,
   re-planned from the current position each turn);
-* ``frozen_lake`` -- :func:`ragen.envs.frozen_lake.solve` (value iteration: the policy
-  that maximises the probability of reaching the goal; one action per turn when the ice
+* ``frozen_lake`` -- :class:`ragen.envs.frozen_lake.LakeSolver`: with a known episode
+  budget (:class:`Budget`, given by :func:`run_episode`, :func:`evaluate_agent`,
+  :func:`record_conversation` and so ``ragen eval`` and ``ragen sft generate``), the
+  finite-horizon optimal policy for the moves left (backward induction,
+  ``V_k(s) = max_a sum P(s'|s,a) V_{k-1}(s')``, ``V_0 = 1[goal]``); on slippery ice with
+  turns of several actions, the open-loop sequence that is optimal given the state at the
+  turn's start (one action per turn when the turns left allow one per move left).
+  Without a budget, :func:`ragen.envs.frozen_lake.solve` (value iteration: the policy that
+  maximises the probability of ever reaching the goal; one action per turn when the ice
   is slippery, since the next state is random);
 * ``countdown`` -- :func:`ragen.envs.countdown.solve` (brute force over expressions);
 * ``sudoku`` -- :func:`ragen.envs.sudoku.solve` (backtracking) on the current grid;
@@ -30,6 +37,8 @@ The expert per env:
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -37,16 +46,47 @@ import numpy as np
 import ragen.envs
 
 
+@dataclass(frozen=True)
+class Budget:
+    """An episode's limits as the rollout applies them (``None``: no limit of that kind).
+
+    ``max_turns`` turns (``agent.max_turn``), each answering up to ``max_actions_per_turn``
+    actions (extra ones are dropped), at most ``max_actions`` actions in the episode
+    (``agent.max_actions_per_traj``; the rollout's 0 means none). The env's own step limit
+    (FrozenLake's ``max_steps``) applies on top.
+    """
+
+    max_turns: int | None = None
+    max_actions_per_turn: int | None = None
+    max_actions: int | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "Budget":
+        """The budget of :class:`ragen.agent.rollout.AgentSettings` (``max_actions_per_traj`` 0 = no cap)."""
+        return cls(settings.max_turn, settings.max_actions_per_turn, settings.max_actions_per_traj or None)
+
+
 class Agent:
     """Base class: ``act(env)`` returns the action strings of one turn."""
 
     name = "agent"
 
-    def begin_episode(self, env: Any, seed: int | None) -> None:
-        """Called after ``env.reset(seed=seed)``, before the first ``act``."""
+    def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
+        """Called after ``env.reset(seed=seed)``, before the first ``act``; ``budget`` is the
+        episode's turn and action limits when the caller knows them (each ``act`` is one turn)."""
 
     def act(self, env: Any) -> list[str]:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def begin_episode(agent: Agent, env: Any, seed: int | None, budget: Budget | None) -> None:
+    """``agent.begin_episode(env, seed, budget)``, or without the budget for an agent written before it."""
+    params = inspect.signature(agent.begin_episode).parameters
+    takes_budget = "budget" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if takes_budget:
+        agent.begin_episode(env, seed, budget=budget)
+    else:
+        agent.begin_episode(env, seed)
 
 
 class RandomAgent(Agent):
@@ -65,7 +105,7 @@ class RandomAgent(Agent):
         self.max_actions_per_turn = max(1, int(max_actions_per_turn))
         self.rng = np.random.default_rng(self.seed)
 
-    def begin_episode(self, env: Any, seed: int | None) -> None:
+    def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
         entropy = [self.seed] if seed is None else [self.seed, int(seed) & 0xFFFFFFFF]
         self.rng = np.random.default_rng(entropy)
 
@@ -81,22 +121,61 @@ class ExpertAgent(Agent):
 
     ``max_actions_per_turn`` caps the actions of one answer (the plan is re-derived from
     the current state every turn, so a cap never loses optimality in deterministic envs).
+    The :class:`Budget` given to :meth:`begin_episode` tells it how many turns and moves the
+    episode has left at each ``act`` (each ``act`` call is one turn; moves already made are
+    read from the env); FrozenLake's expert plays the optimal policy for that budget.
+    Without a budget (an ``act`` before any ``begin_episode``, or a caller that gives none)
+    it plays as if the episode had no limit.
     """
 
     name = "expert"
 
     def __init__(self, max_actions_per_turn: int | None = None):
         self.max_actions_per_turn = max_actions_per_turn
-        self._lake_policy: tuple[Any, dict[int, int]] | None = None
+        self.budget: Budget | None = None
+        self.turns_played = 0
+        #: The moves left that the last plan was made for (FrozenLake with a budget; else None).
+        self.last_moves_left: int | None = None
+        #: The whole plan behind the last ``act`` (its head is the answer).
+        self.last_plan: list[str] = []
+        self._lake: tuple[Any, Any] | None = None  # (map key, LakeSolver)
 
-    def begin_episode(self, env: Any, seed: int | None) -> None:
-        self._lake_policy = None
+    def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
+        self.budget = budget
+        self.turns_played = 0
+        self.last_moves_left = None
 
     def act(self, env: Any) -> list[str]:
-        actions = self.plan(env)
-        if self.max_actions_per_turn is not None:
-            actions = actions[: max(1, self.max_actions_per_turn)]
-        return actions
+        self.last_plan = list(self.plan(env))
+        self.turns_played += 1
+        return self.last_plan[: self.turn_cap(env) or len(self.last_plan)]
+
+    def turn_cap(self, env: Any) -> int | None:
+        """Actions one answer may hold: the tighter of the agent's own cap and the budget's (None: no cap)."""
+        caps = [c for c in (self.max_actions_per_turn, self.budget and self.budget.max_actions_per_turn) if c]
+        return max(1, min(caps)) if caps else None
+
+    def remaining(self, env: Any, steps_taken: int = 0, answer_len: int | None = None) -> tuple[int | None, int | None]:
+        """``(turns_left, moves_left)`` of the episode at this ``act`` (including it), or ``(None, None)``
+        without a budget. Moves left: the least of the budget's action cap, the turns left times the
+        actions per turn (:meth:`turn_cap`, else ``answer_len``, the most the expert answers on this
+        env; None: unbounded) and the env's ``max_steps``, less the ``steps_taken`` so far for the
+        first and last."""
+        budget = self.budget
+        if budget is None:
+            return None, None
+        raw = env.unwrapped
+        turns_left = None if budget.max_turns is None else max(0, budget.max_turns - self.turns_played)
+        caps = []
+        if budget.max_actions is not None:
+            caps.append(budget.max_actions - steps_taken)
+        per_turn = self.turn_cap(env) or answer_len
+        if turns_left is not None and per_turn is not None:
+            caps.append(turns_left * per_turn)
+        max_steps = getattr(getattr(raw, "config", None), "max_steps", None)
+        if max_steps is not None:
+            caps.append(int(max_steps) - steps_taken)
+        return turns_left, (max(0, min(caps)) if caps else None)
 
     def plan(self, env: Any) -> list[str]:
         """Every action the expert would take from the current state (as far as it can tell)."""
@@ -144,26 +223,40 @@ class ExpertAgent(Agent):
             plan = [1]
         return [env.action_lookup[a] for a in plan]
 
-    def _frozen_lake(self, env: Any) -> list[str]:
-        from ragen.envs.frozen_lake import solve
+    def lake_solver(self, env: Any):
+        """The :class:`ragen.envs.frozen_lake.LakeSolver` of the env's current map (cached per map)."""
+        from ragen.envs.frozen_lake import LakeSolver
 
-        key = tuple(env.desc)
-        if self._lake_policy is None or self._lake_policy[0] != key:
-            self._lake_policy = (key, solve(env))
-        policy = self._lake_policy[1]
+        key = (tuple(env.desc), env.config.is_slippery, env.config.success_rate)
+        if self._lake is None or self._lake[0] != key:
+            self._lake = (key, LakeSolver(env))
+        return self._lake[1]
+
+    def _frozen_lake(self, env: Any) -> list[str]:
+        """Without a budget: the infinite-horizon policy (one move on slippery ice, the whole path
+        on deterministic ice). With one: the finite-horizon optimum for the moves left; on slippery
+        ice with several actions per turn, the turn's optimal open-loop sequence (see
+        :class:`ragen.envs.frozen_lake.LakeSolver`)."""
+        solver = self.lake_solver(env)
         state = env.state
-        if state not in policy:
-            return [env.action_lookup[1]]
-        if env.config.is_slippery and env.config.success_rate < 1.0:
-            return [env.action_lookup[policy[state]]]
-        # Deterministic ice: follow the policy through gymnasium's transition table.
-        lake, actions, seen = env.lake, [], set()
-        while state in policy and state not in seen and len(actions) < env.config.max_steps:
-            seen.add(state)
-            action = policy[state]
-            actions.append(env.action_lookup[action])
-            _, state, _, _ = max(lake.P[state][action - 1], key=lambda t: t[0])
-        return actions
+        names = env.action_lookup
+        if solver.model.terminal[state]:
+            return [names[1]]
+        # Uncapped, the expert answers one move per turn on slippery ice, a whole path on deterministic ice.
+        turns_left, moves_left = self.remaining(env, env.num_steps, None if solver.model.deterministic else 1)
+        self.last_moves_left = None
+        if moves_left is None:
+            if solver.model.deterministic:
+                return [names[a] for a in solver.path(state, None, max_len=env.config.max_steps)]
+            return [names[solver.action(state)]]
+        moves_left = max(1, moves_left)  # asked to act with nothing left: act as on the last move
+        self.last_moves_left = moves_left
+        if solver.model.deterministic:  # open loop is closed loop: the whole plan for the moves left
+            return [names[a] for a in solver.path(state, moves_left)]
+        per_turn = self.turn_cap(env) or 1
+        if turns_left is None or per_turn == 1:
+            return [names[solver.action(state, moves_left)]]
+        return [names[a] for a in solver.turn_plan(state, max(1, turns_left), moves_left, per_turn)]
 
     @staticmethod
     def _sudoku(env: Any) -> list[str]:
@@ -198,30 +291,37 @@ def run_episode(
     seed: int | None = None,
     max_turns: int = 100,
     record: bool = False,
+    max_actions_per_turn: int | None = None,
+    max_actions: int | None = None,
 ) -> dict[str, Any]:
     """Play one episode; return ``success``, ``reward`` (env rewards summed), ``steps``, ``turns``.
 
     Each turn the agent's strings are parsed with ``env.parse_action``, all before any
     step (as the rollout does, which matters for envs that store a pending answer). If any
     string names no action, the turn is invalid and nothing is stepped
-    (``invalid_turns`` counts them). With ``record``, ``transcript`` lists every turn as
-    ``{"observation", "actions", "reward"}`` (the observation the agent answered).
+    (``invalid_turns`` counts them). As in the rollout, answers are cut to
+    ``max_actions_per_turn`` actions and the episode to ``max_actions`` actions (None: no
+    cap); the agent gets these limits and ``max_turns`` as its :class:`Budget`. With
+    ``record``, ``transcript`` lists every turn as ``{"observation", "actions", "reward"}``
+    (the observation the agent answered).
     """
     raw = env.unwrapped
     observation, _ = env.reset(seed=seed)
-    agent.begin_episode(env, seed)
+    begin_episode(agent, env, seed, Budget(max_turns, max_actions_per_turn, max_actions))
     reward, steps, turns, invalid, success, done = 0.0, 0, 0, 0, False, False
     transcript: list[dict[str, Any]] = []
     while not done and turns < max_turns:
         turns += 1
         actions = list(agent.act(env))
+        if max_actions_per_turn is not None:
+            actions = actions[: max(1, max_actions_per_turn)]
         ids = [raw.parse_action(a) for a in actions]
         turn_reward = 0.0
         seen = observation
         if not actions or None in ids:
             invalid += 1
         else:
-            for action_id in ids:
+            for action_id in ids if max_actions is None else ids[: max(0, max_actions - steps)]:
                 observation, r, terminated, truncated, info = env.step(action_id)
                 steps += 1
                 turn_reward += float(r)
@@ -229,6 +329,8 @@ def run_episode(
                 if terminated or truncated:
                     done = True
                     break
+        if max_actions is not None and steps >= max_actions:
+            done = True
         reward += turn_reward
         if record:
             transcript.append({"observation": seen, "actions": actions, "reward": turn_reward})
@@ -244,14 +346,18 @@ def evaluate_agent(
     agent: Agent,
     seeds: Iterable[int],
     max_turns: int = 100,
+    max_actions_per_turn: int | None = None,
+    max_actions: int | None = None,
 ) -> dict[str, Any]:
-    """Run ``agent`` on env ``env_name`` once per seed; return rates and means over episodes.
+    """Run ``agent`` on env ``env_name`` once per seed (:func:`run_episode` with these limits);
+    return rates and means over episodes.
 
     Keys: ``success`` (success rate), ``reward_mean``, ``reward_std``, ``steps_mean``,
     ``invalid_turns_mean``, ``episodes``.
     """
     env = ragen.envs.make(env_name, **(env_cfg or {}))
-    results = [run_episode(env, agent, seed=int(s), max_turns=max_turns) for s in seeds]
+    results = [run_episode(env, agent, seed=int(s), max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
+                           max_actions=max_actions) for s in seeds]
     if not results:
         raise ValueError("evaluate_agent: seeds is empty")
     rewards = np.array([r["reward"] for r in results], dtype=float)
@@ -280,8 +386,7 @@ def record_conversation(
     as ``<think>{think}</think><answer>a1 || a2</answer>`` (``<answer>…</answer>`` without
     think). ``think`` may also be a callable ``think(env, actions) -> str``, called each turn
     before the actions are stepped (a rationale per turn). Turn limits, actions per turn and
-    per episode follow ``settings``; an expert should be built with
-    ``max_actions_per_turn=settings.max_actions_per_turn``.
+    per episode follow ``settings``, and the agent gets them as its :class:`Budget`.
     Returns ``messages``, ``success``, ``reward`` (env rewards plus format penalties).
     """
     from ragen.agent.context import PromptFormat
@@ -291,7 +396,7 @@ def record_conversation(
     fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
     raw = env.unwrapped
     observation, _ = env.reset(seed=seed)
-    agent.begin_episode(env, seed)
+    begin_episode(agent, env, seed, Budget.from_settings(settings))
     limit = settings.max_actions_per_traj
     actions_left = limit if limit > 0 else None
     messages = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
@@ -328,4 +433,4 @@ def record_conversation(
     return {"messages": messages, "success": success, "reward": total}
 
 
-__all__ = ["Agent", "record_conversation", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]
+__all__ = ["Agent", "Budget", "begin_episode", "record_conversation", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]

@@ -87,7 +87,8 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     ``size`` (>= 2), ``p`` (frozen probability of a generated cell, in (0, 1]),
     ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``.
 
-    See :func:`solve` (optimal policy by value iteration) and :func:`success_probability`.
+    See :func:`solve` (the infinite-horizon optimal policy, by value iteration), :func:`solve_finite` and
+    :class:`LakeSolver` (optimal within a move budget, by backward induction) and :func:`success_probability`.
     """
 
     description = "FrozenLake: walk over slippery ice from the start to the goal without falling into a hole."
@@ -230,8 +231,8 @@ def _observation_space(nrow: int, ncol: int) -> spaces.Text:
     return spaces.Text(min_length=1, max_length=nrow * (ncol + 1), charset=_CHARSET)
 
 
-def _transitions(env: Any) -> dict:
-    """gymnasium's ``P`` table of a reset ragen FrozenLake env or of a gymnasium FrozenLake env."""
+def _transitions(env: Any) -> Any:
+    """gymnasium's lake (with its ``P`` table) of a reset ragen FrozenLake env or of a gymnasium FrozenLake env."""
     lake = getattr(env, "lake", None)
     if lake is None:
         lake = getattr(env, "unwrapped", env)
@@ -240,7 +241,58 @@ def _transitions(env: Any) -> dict:
     return lake
 
 
-def _value_iteration(lake, tol: float = 1e-12, max_iters: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
+#: Two action values closer than this are a tie (then the infinite-horizon policy's action is kept).
+TIE = 1e-12
+#: On slippery ice a turn's plan is searched over all open-loop sequences of up to this many moves (4^k of them).
+MAX_OPEN_LOOP = 4
+
+
+@dataclass(frozen=True)
+class LakeModel:
+    """gymnasium's transition table ``P`` of one map as arrays (gym action ids 0..3).
+
+    ``trans[a, s, s2]`` is the probability of moving from ``s`` to the non-terminal ``s2``
+    with action ``a``; ``goal_prob[a, s]`` that of landing on the goal (a hole is lost
+    mass). Rows of terminal states (holes, goal) are zero: nothing happens after them.
+    """
+
+    trans: np.ndarray
+    goal_prob: np.ndarray
+    goal: np.ndarray
+    terminal: np.ndarray
+    start: int
+    #: Every move has one outcome (not slippery, or ``success_rate`` 1).
+    deterministic: bool
+
+    @classmethod
+    def of(cls, env: Any) -> "LakeModel":
+        lake = _transitions(env)
+        flat = lake.desc.ravel()
+        n = len(flat)
+        goal, terminal = flat == b"G", np.isin(flat, (b"G", b"H"))
+        trans, goal_prob = np.zeros((4, n, n)), np.zeros((4, n))
+        deterministic = True
+        for s in np.flatnonzero(~terminal):
+            for a in range(4):
+                outcomes: dict[int, float] = {}
+                for p, s2, _, done in lake.P[int(s)][a]:
+                    if p <= 0:
+                        continue
+                    outcomes[int(s2)] = outcomes.get(int(s2), 0.0) + p
+                    if goal[s2]:
+                        goal_prob[a, s] += p
+                    elif not done:
+                        trans[a, s, s2] += p
+                deterministic &= len(outcomes) == 1
+        start = int(np.flatnonzero(flat == b"S")[0])
+        return cls(trans, goal_prob, goal, terminal, start, bool(deterministic))
+
+    def backup(self, values: np.ndarray) -> np.ndarray:
+        """``q[a, s] = sum_s2 P(s2 | s, a) V(s2)`` for a value vector with ``V(G) = 1`` and ``V(hole) = 0``."""
+        return self.goal_prob + self.trans @ np.where(self.terminal, 0.0, values)
+
+
+def _value_iteration(model: LakeModel, tol: float = 1e-12, max_iters: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
     """Undiscounted infinite-horizon values (probability of ever reaching G) and an optimal policy (0..3).
 
     Undiscounted, every action that keeps the success probability is "optimal", including
@@ -248,37 +300,179 @@ def _value_iteration(lake, tol: float = 1e-12, max_iters: int = 100_000) -> tupl
     the goal: a state gets an optimal action with a positive chance of reaching a state that
     already has one (the classic proper-policy construction for maximal reachability).
     """
-    n_states = lake.observation_space.n
-    goal = lake.desc.ravel() == b"G"
-    terminal = goal | (lake.desc.ravel() == b"H")
-    q = np.zeros((n_states, 4))
+    n_states = len(model.goal)
     values = np.zeros(n_states)
+    q = np.zeros((4, n_states))
     for _ in range(max_iters):
-        for s in range(n_states):
-            for a in range(4):
-                q[s, a] = sum(p * (1.0 if goal[s2] else (0.0 if done else values[s2])) for p, s2, _, done in lake.P[s][a])
-        new = q.max(axis=1)
-        new[terminal] = 0.0  # nothing more to gain on the goal (its reward was counted on arrival) or in a hole
+        q = model.goal_prob + model.trans @ values
+        new = q.max(axis=0)
+        new[model.terminal] = 0.0  # nothing more to gain on the goal (its reward was counted on arrival) or in a hole
         delta = np.abs(new - values).max()
         values = new
         if delta < tol:
             break
-    policy = q.argmax(axis=1)
-    ranked = set(np.flatnonzero(goal).tolist())
-    todo = [s for s in range(n_states) if not terminal[s] and values[s] > 1e-9]
+    policy = q.argmax(axis=0)
+    ranked = model.goal.copy()
+    todo = [s for s in range(n_states) if not model.terminal[s] and values[s] > 1e-9]
     changed = True
     while changed:
         changed = False
         for s in todo:
-            if s in ranked:
+            if ranked[s]:
                 continue
             for a in range(4):
-                if q[s, a] >= values[s] - 1e-9 and any(p > 0 and s2 in ranked for p, s2, _, _ in lake.P[s][a]):
+                reaches = model.goal_prob[a, s] > 0 or bool((model.trans[a, s] > 0)[ranked].any())
+                if q[a, s] >= values[s] - 1e-9 and reaches:
                     policy[s] = a
-                    ranked.add(s)
+                    ranked[s] = True
                     changed = True
                     break
     return values, policy
+
+
+class LakeSolver:
+    """Optimal play on one map: the infinite-horizon policy, the finite-horizon one, and turn plans.
+
+    *Finite horizon* (``k`` moves left), by backward induction over (moves remaining, state),
+    exact for gymnasium's ``P``::
+
+        V_0(s) = 1[s = G]
+        V_k(s) = max_a sum_s2 P(s2 | s, a) V_{k-1}(s2)      (G and holes absorbing: V_k(G) = 1, V_k(H) = 0)
+        pi_k(s) = an argmax of the same sum
+
+    ``V_k(s)`` is the highest probability of reaching the goal within ``k`` moves from ``s``
+    that any policy achieves (which may depend on the moves left, unlike the infinite-horizon
+    policy: with a few moves left it takes risks the unlimited policy never takes). Ties
+    keep the infinite-horizon action, so with zero chance left the policy still heads
+    safely for the goal, and with many moves left it coincides with :func:`solve`'s.
+
+    *Turns of several moves* (slippery ice, the agent sees the state only at the start of
+    each turn and answers up to ``m`` moves at once): the best value with ``j`` turns and
+    ``n`` moves left is, over open-loop sequences ``w`` of ``1..min(m, n)`` moves,
+
+        U(j, n)(s) = max_w [ P(reach G during w | s) + sum_s2 P(end the turn on s2 | s, w) U(j-1, n-|w|)(s2) ]
+
+    with ``U(0, n) = U(j, 0) = V_0``, and ``U(j, n) = V_n`` once ``j >= n`` (one move per turn
+    is then possible, and nothing does better than closed-loop play). :meth:`turn_plan` is
+    the maximising ``w`` (longest first among ties). Open-loop sequences are searched up to
+    :data:`MAX_OPEN_LOOP` moves.
+    """
+
+    def __init__(self, env: Any):
+        self.model = LakeModel.of(env)
+        self.infinite_values, policy = _value_iteration(self.model)
+        self.infinite_policy = policy  # gym ids 0..3
+        v0 = self.model.goal.astype(float)
+        self._values = [v0]  # _values[k] = V_k
+        self._actions = [policy.copy()]  # _actions[k][s] = pi_k(s), gym ids; row 0: the infinite-horizon action
+        self._turn: dict[tuple[int, int, int], np.ndarray] = {}
+        self._sequences: dict[int, tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]] = {}
+
+    # -- one move per decision -------------------------------------------------------------
+
+    def _extend(self, horizon: int) -> None:
+        while len(self._values) <= horizon:
+            q = self.model.backup(self._values[-1])
+            best = q.max(axis=0)
+            keep = self.infinite_policy
+            tied = q[keep, np.arange(q.shape[1])] >= best - TIE
+            self._actions.append(np.where(tied, keep, q.argmax(axis=0)))
+            values = best.copy()
+            values[self.model.terminal] = 0.0
+            values[self.model.goal] = 1.0
+            self._values.append(values)
+
+    def values(self, moves_left: int) -> np.ndarray:
+        """``V_k`` for ``k = moves_left`` (a copy): per state, the best success probability within ``k`` moves."""
+        k = max(0, int(moves_left))
+        self._extend(k)
+        return self._values[k].copy()
+
+    def q_values(self, moves_left: int) -> np.ndarray:
+        """``Q_k[a, s] = sum_s2 P(s2 | s, a) V_{k-1}(s2)`` (gym action ids ``a``), ``k = moves_left >= 1``."""
+        return self.model.backup(self.values(int(moves_left) - 1))
+
+    def action(self, state: int, moves_left: int | None = None) -> int:
+        """The optimal action id (1..4) in ``state`` with ``moves_left`` moves left (None: infinite horizon)."""
+        if moves_left is None:
+            return int(self.infinite_policy[state]) + 1
+        k = max(0, int(moves_left))
+        self._extend(k)
+        return int(self._actions[k][state]) + 1
+
+    def path(self, state: int, moves_left: int | None = None, max_len: int = 1000) -> list[int]:
+        """The moves the policy makes from ``state`` following each move's most likely outcome
+        (the whole plan on deterministic ice); stops on a hole, the goal, a repeated state or no moves left."""
+        model, out, seen = self.model, [], set()
+        left = max_len if moves_left is None else min(int(moves_left), max_len)
+        while left > 0 and not model.terminal[state] and state not in seen:
+            seen.add(state)
+            action = self.action(state, None if moves_left is None else left)
+            out.append(action)
+            a = action - 1
+            if model.goal_prob[a, state] >= model.trans[a, state].max():
+                break  # most likely lands on the goal
+            state = int(model.trans[a, state].argmax())
+            left -= 1
+        return out
+
+    # -- turns of several moves (open loop within a turn) ----------------------------------
+
+    def _stacks(self, length: int) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
+        """All sequences of ``length`` gym actions with their end-of-sequence transition and goal probabilities."""
+        if length not in self._sequences:
+            if length == 1:
+                seqs = [(a,) for a in range(4)]
+                mats, goals = self.model.trans.copy(), self.model.goal_prob.copy()
+            else:
+                rest, rest_m, rest_g = self._stacks(length - 1)
+                seqs = [(a,) + r for a in range(4) for r in rest]
+                t, g = self.model.trans, self.model.goal_prob
+                mats = np.einsum("asx,rxy->arsy", t, rest_m).reshape(-1, *t.shape[1:])
+                goals = (g[:, None, :] + np.einsum("asx,rx->ars", t, rest_g)).reshape(-1, t.shape[1])
+            self._sequences[length] = (seqs, mats, goals)
+        return self._sequences[length]
+
+    def _turn_scores(self, turns_left: int, moves_left: int, per_turn: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+        """Every candidate sequence of this turn and its value per start state, ``(len(seqs), n_states)``."""
+        seqs_all, scores = [], []
+        for length in range(min(per_turn, moves_left, MAX_OPEN_LOOP), 0, -1):
+            seqs, mats, goals = self._stacks(length)
+            after = self.turn_values(turns_left - 1, moves_left - length, per_turn)
+            seqs_all += seqs
+            scores.append(goals + mats @ np.where(self.model.terminal, 0.0, after))
+        return seqs_all, np.concatenate(scores)
+
+    def turn_values(self, turns_left: int, moves_left: int, per_turn: int) -> np.ndarray:
+        """``U(j, n)``: per state, the best success probability with ``j`` turns of up to ``per_turn``
+        moves each and ``n`` moves in all, seeing the state only at turn starts (class docstring)."""
+        j, m = max(0, int(turns_left)), max(1, int(per_turn))
+        n = min(max(0, int(moves_left)), j * m)
+        if j >= n:
+            return self.values(n)
+        key = (j, n, m)
+        if key not in self._turn:
+            values = self._turn_scores(j, n, m)[1].max(axis=0)
+            values[self.model.terminal] = 0.0
+            values[self.model.goal] = 1.0
+            self._turn[key] = values
+        return self._turn[key].copy()
+
+    def turn_plan(self, state: int, turns_left: int, moves_left: int, per_turn: int) -> list[int]:
+        """This turn's optimal answer (action ids 1..4) from ``state``: one move when one move per turn
+        is affordable (``turns_left >= moves_left``), else the best open-loop sequence of ``U``."""
+        j, m = max(1, int(turns_left)), max(1, int(per_turn))
+        n = min(max(1, int(moves_left)), j * m)
+        if m == 1 or j >= n:
+            return [self.action(state, n)]
+        seqs, scores = self._turn_scores(j, n, m)
+        column = scores[:, state]
+        tied = np.flatnonzero(column >= column.max() - TIE)
+        longest = max(len(seqs[i]) for i in tied)
+        tied = [int(i) for i in tied if len(seqs[i]) == longest]  # ties: use every slot the turn allows...
+        first = self.action(state, n) - 1  # ...and prefer opening with the closed-loop action
+        pick = next((i for i in tied if seqs[i][0] == first), tied[0])
+        return [a + 1 for a in seqs[pick]]
 
 
 def solve(env: Any) -> dict[int, int]:
@@ -288,37 +482,66 @@ def solve(env: Any) -> dict[int, int]:
     probability of *ever* reaching the goal (infinite horizon; ``max_steps`` is ignored).
     Among equally good actions it picks one that makes progress towards the goal, so the
     policy really attains that probability (it never loops forever against a border).
+    Under a move cap this policy is not optimal (it plays slow and safe): see
+    :func:`solve_finite`.
     """
-    lake = _transitions(env)
-    _, policy = _value_iteration(lake)
-    flat = lake.desc.ravel()
-    return {s: int(policy[s]) + 1 for s in range(len(flat)) if flat[s] not in (b"H", b"G")}
+    model = LakeModel.of(env)
+    _, policy = _value_iteration(model)
+    return {s: int(policy[s]) + 1 for s in range(len(model.goal)) if not model.terminal[s]}
+
+
+def solve_finite(env: Any, horizon: int) -> dict[int, dict[int, int]]:
+    """The optimal policy within ``horizon`` moves: ``{k: {state: action_id}}`` for ``k = 1..horizon``
+    moves left, by backward induction (:class:`LakeSolver`):
+    ``V_k(s) = max_a sum_s2 P(s2 | s, a) V_{k-1}(s2)``, ``V_0 = 1[goal]``."""
+    solver = LakeSolver(env)
+    live = np.flatnonzero(~solver.model.terminal)
+    return {k: {int(s): solver.action(int(s), k) for s in live} for k in range(1, int(horizon) + 1)}
 
 
 def success_probability(env: Any, horizon: int | None = None) -> float:
-    """Exact probability that :func:`solve`'s policy reaches the goal from the start.
+    """The best probability of reaching the goal from the start.
 
-    ``horizon=None``: undiscounted, infinite horizon (the optimal value of the start state).
-    ``horizon=N``: the same stationary policy, but the goal must be reached within ``N``
-    steps (e.g. the env's ``max_steps``), computed exactly by propagating the state
-    distribution ``N`` steps.
+    ``horizon=None``: undiscounted, infinite horizon (the value of :func:`solve`'s policy).
+    ``horizon=N``: within ``N`` moves (e.g. the env's ``max_steps``, or an episode's move
+    budget), the finite-horizon optimum ``V_N(start)`` of backward induction,
+    ``V_k(s) = max_a sum_s2 P(s2 | s, a) V_{k-1}(s2)``, ``V_0 = 1[goal]`` (see
+    :class:`LakeSolver`). It is >= :func:`policy_success_probability` of the infinite-horizon
+    policy within the same ``N``, usually strictly on slippery ice.
     """
-    lake = _transitions(env)
-    values, policy = _value_iteration(lake)
-    start = int(np.flatnonzero(lake.desc.ravel() == b"S")[0])
+    solver = LakeSolver(env)
+    start = solver.model.start
     if horizon is None:
-        return float(values[start])
-    goal = lake.desc.ravel() == b"G"
-    dist = np.zeros(len(values))
-    dist[start] = 1.0
+        return float(solver.infinite_values[start])
+    return float(solver.values(int(horizon))[start])
+
+
+def turn_success_probability(env: Any, turns: int, actions_per_turn: int, max_actions: int | None = None) -> float:
+    """The best success probability with ``turns`` turns of up to ``actions_per_turn`` moves each (at
+    most ``max_actions`` in all), when the state is seen only at the start of each turn (``U`` of
+    :class:`LakeSolver`). Equal to ``success_probability(env, turns)`` with one action per turn."""
+    solver = LakeSolver(env)
+    moves = turns * actions_per_turn if max_actions is None else min(max_actions, turns * actions_per_turn)
+    return float(solver.turn_values(turns, moves, actions_per_turn)[solver.model.start])
+
+
+def policy_success_probability(env: Any, horizon: int, policy: dict[int, int] | None = None) -> float:
+    """Exact probability that a stationary ``policy`` (default :func:`solve`'s) reaches the goal
+    within ``horizon`` moves, by propagating the state distribution ``horizon`` steps."""
+    model = LakeModel.of(env)
+    if policy is None:
+        _, gym_policy = _value_iteration(model)
+    else:
+        gym_policy = np.zeros(len(model.goal), dtype=int)
+        for s, a in policy.items():
+            gym_policy[s] = a - 1
+    idx = np.arange(len(model.goal))
+    step = model.trans[gym_policy, idx]  # (n, n): this policy's transitions
+    goal = model.goal_prob[gym_policy, idx]
+    dist = np.zeros(len(model.goal))
+    dist[model.start] = 1.0
     reached = 0.0
-    for _ in range(horizon):
-        new = np.zeros_like(dist)
-        for s in np.flatnonzero(dist):
-            for p, s2, _, done in lake.P[s][int(policy[s])]:
-                if goal[s2]:
-                    reached += dist[s] * p
-                elif not done:
-                    new[s2] += dist[s] * p
-        dist = new
+    for _ in range(int(horizon)):
+        reached += float(dist @ goal)
+        dist = dist @ step
     return float(reached)

@@ -140,15 +140,20 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
 
 
 def run_baseline(config: RunConfig, name: str, seeds: list[int], target: EvalTarget | None = None) -> dict[str, Any]:
-    """The ``random`` or ``expert`` agent on ``seeds`` with the model's turn budget; ``{"skipped": why}`` if it cannot."""
+    """The ``random`` or ``expert`` agent on ``seeds`` with the model's turn and action budget; ``{"skipped": why}`` if it cannot."""
     from ragen.envs.agents import ExpertAgent, RandomAgent, run_episode
 
     target = target or eval_targets(config)[0]
-    per_turn = target.settings.max_actions_per_turn
+    settings = target.settings
+    per_turn = settings.max_actions_per_turn
     agent = RandomAgent(seed=config.seed, max_actions_per_turn=per_turn) if name == "random" else ExpertAgent(per_turn)
     env = ragen.envs.make(target.env, **target.env_config)
+    # The rollout's limits: turns, actions per answer, actions per episode (0 = none). The
+    # expert gets them as its budget (FrozenLake's plays the optimal policy for the moves left).
+    limits = {"max_turns": settings.max_turn, "max_actions_per_turn": per_turn,
+              "max_actions": settings.max_actions_per_traj or None}
     try:
-        results = [run_episode(env, agent, seed=s, max_turns=target.settings.max_turn) for s in seeds]
+        results = [run_episode(env, agent, seed=s, **limits) for s in seeds]
     except ValueError as exc:
         return {"skipped": str(exc)}
     except Exception as exc:  # noqa: BLE001 - a baseline must never sink the model's evaluation

@@ -29,7 +29,7 @@ import ragen.envs
 from ragen.agent.parser import parse_response
 from ragen.agent.rollout import AgentSettings
 from ragen.config import RunConfig, load_config
-from ragen.envs.agents import Agent, ExpertAgent, record_conversation
+from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
 from ragen.sft.rationale import explain
 
 #: Seeds of generated data are drawn below this bound, like training seeds: validation seeds
@@ -38,23 +38,21 @@ SEED_BOUND = 2**31
 
 
 class PlanningExpert(ExpertAgent):
-    """:class:`ExpertAgent` that remembers the solver's whole plan of the last turn (for the rationale)."""
+    """:class:`ExpertAgent` that remembers the solver's whole plan of every turn (``last_plan``
+    feeds the rationale, ``plans`` the record). :func:`record_conversation` gives it the
+    episode's budget, so FrozenLake's plans are optimal for the moves left."""
 
     def __init__(self, max_actions_per_turn: int | None = None):
         super().__init__(max_actions_per_turn)
-        self.last_plan: list[str] = []
         self.plans: list[list[str]] = []
 
-    def begin_episode(self, env: Any, seed: int | None) -> None:
-        super().begin_episode(env, seed)
+    def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
+        super().begin_episode(env, seed, budget)
         self.plans = []
 
     def act(self, env: Any) -> list[str]:
-        self.last_plan = list(self.plan(env))
+        actions = super().act(env)
         self.plans.append(self.last_plan)
-        actions = self.last_plan
-        if self.max_actions_per_turn is not None:
-            actions = actions[: max(1, self.max_actions_per_turn)]
         return actions
 
 
@@ -68,7 +66,7 @@ class ReplayAgent(Agent):
         self.index = 0
         self.current_think = ""
 
-    def begin_episode(self, env: Any, seed: int | None) -> None:
+    def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
         self.index = 0
 
     def act(self, env: Any) -> list[str]:
@@ -145,7 +143,7 @@ def expert_records(config: RunConfig, n: int, *, keep_failures: bool = False, ma
     expert = PlanningExpert(max_actions_per_turn=settings.max_actions_per_turn)
 
     def think(env_: Any, actions: list[str]) -> str:
-        return explain(env_, expert.last_plan, actions)
+        return explain(env_, expert.last_plan, actions, moves_left=expert.last_moves_left)
 
     rng = np.random.default_rng(config.seed)
     seen: set[int] = set()

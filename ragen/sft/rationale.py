@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def explain(env: Any, plan: list[str], actions: list[str]) -> str:
-    """Rationale for answering ``actions`` when the solver's whole plan from here is ``plan``."""
+def explain(env: Any, plan: list[str], actions: list[str], moves_left: int | None = None) -> str:
+    """Rationale for answering ``actions`` when the solver's whole plan from here is ``plan``
+    (``moves_left``: the episode's moves left that the plan was made for, if it had a budget)."""
     from ragen.envs.bandit import BanditEnv
     from ragen.envs.frozen_lake import FrozenLakeEnv
     from ragen.envs.sokoban import SokobanEnv
@@ -29,7 +30,7 @@ def explain(env: Any, plan: list[str], actions: list[str]) -> str:
     if isinstance(raw, SokobanEnv):
         return sokoban_rationale(raw, plan, actions)
     if isinstance(raw, FrozenLakeEnv):
-        return frozen_lake_rationale(raw, plan, actions)
+        return frozen_lake_rationale(raw, plan, actions, moves_left)
     if isinstance(raw, BanditEnv):
         return bandit_rationale(raw, actions)
     return generic_rationale(plan, actions)
@@ -88,18 +89,26 @@ def sokoban_rationale(env: Any, plan: list[str], actions: list[str]) -> str:
     return f"{where} The shortest plan is {_plan_text(plan)}, so I move {_moves(actions)}."
 
 
-def frozen_lake_rationale(env: Any, plan: list[str], actions: list[str]) -> str:
-    """Where the goal is relative to the player, and the solver's path (or best next step on slippery ice)."""
+def frozen_lake_rationale(env: Any, plan: list[str], actions: list[str], moves_left: int | None = None) -> str:
+    """Where the goal is relative to the player, and the solver's path (or best next step(s) on slippery ice),
+    for the ``moves_left`` the episode has left when the solver planned for a budget."""
     ncol = env.lake.ncol
     pr, pc = divmod(env.state, ncol)
     goal = next((r, c) for r, row in enumerate(env.desc) for c, ch in enumerate(row) if ch == "G")
     where = f"The goal is {offset_text(goal[0] - pr, goal[1] - pc, 'me')}."
+    within = "" if moves_left is None else f" within the {moves_left} move{'s' if moves_left != 1 else ''} left"
     if env.config.is_slippery and env.config.success_rate < 1.0:
+        if len(actions) > 1:
+            return (
+                f"{where} The ice is slippery and I see where I land only after this turn; "
+                f"{_moves(actions)} gives the best chance of reaching the goal{within}."
+            )
         return (
             f"{where} The ice is slippery, so I take one step at a time; "
-            f"{_moves(actions)} gives the best chance of reaching the goal without falling into a hole."
+            f"{_moves(actions)} gives the best chance of reaching the goal{within}."
         )
-    return f"{where} The solver's safe path is {_plan_text(plan)}, so I move {_moves(actions)}."
+    path = "safe path" if moves_left is None else f"path for the {moves_left} move{'s' if moves_left != 1 else ''} left"
+    return f"{where} The solver's {path} is {_plan_text(plan)}, so I move {_moves(actions)}."
 
 
 def bandit_rationale(env: Any, actions: list[str]) -> str:

@@ -8,7 +8,19 @@ import pytest
 from gymnasium.envs.toy_text.frozen_lake import MAPS
 from gymnasium.utils.env_checker import check_env
 
-from ragen.envs.frozen_lake import FrozenLakeEnv, parse_map, solve, success_probability
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragen.envs.frozen_lake import (
+    FrozenLakeEnv,
+    LakeSolver,
+    parse_map,
+    policy_success_probability,
+    solve,
+    solve_finite,
+    success_probability,
+    turn_success_probability,
+)
 from ragen.envs.registry import make
 
 LEFT, DOWN, RIGHT, UP = 1, 2, 3, 4
@@ -118,8 +130,9 @@ def test_value_iteration_standard_map_deterministic():
 def test_value_iteration_standard_map_slippery_monte_carlo():
     env = play(STANDARD)
     assert success_probability(env) == pytest.approx(0.8235, abs=1e-3)  # infinite horizon
-    exact = success_probability(env, horizon=100)
+    exact = policy_success_probability(env, horizon=100)  # the infinite-horizon policy within 100 moves
     assert exact == pytest.approx(0.74, abs=0.01)
+    assert success_probability(env, horizon=100) >= exact  # the 100-move optimum
     policy = solve(env)
     wins, n = 0, 1000
     for seed in range(n):
@@ -179,3 +192,144 @@ def test_bad_action():
     with pytest.raises(ValueError, match="invalid action id"):
         env.step(0)
     assert env.parse_action(" down ") == DOWN and env.parse_action("jump") is None
+
+
+# -- finite horizon ------------------------------------------------------------------------------
+
+
+def _expectimax(lake, state: int, moves: int) -> float:
+    """Brute force: the best success probability within ``moves`` moves by searching the whole game
+    tree of gymnasium's raw ``P`` (no memo, no arrays: independent of LakeSolver)."""
+    cell = lake.desc.ravel()[state]
+    if cell == b"G":
+        return 1.0
+    if cell == b"H" or moves == 0:
+        return 0.0
+    return max(sum(p * _expectimax(lake, s2, moves - 1) for p, s2, _, _ in lake.P[state][a]) for a in range(4))
+
+
+def _turn_expectimax(lake, states: dict, turns: int, moves: int, per_turn: int) -> float:
+    """Brute force over turn-structured play: each turn commits to a sequence of 1..per_turn moves
+    seen from the turn's start state only. ``states``: {state: probability} at the turn start."""
+    total = 0.0
+    for state, prob in states.items():
+        total += prob * _turn_best(lake, state, turns, moves, per_turn)
+    return total
+
+
+def _turn_best(lake, state, turns, moves, per_turn):
+    import itertools
+
+    flat = lake.desc.ravel()
+    if flat[state] == b"G":
+        return 1.0
+    if flat[state] == b"H" or turns == 0 or moves == 0:
+        return 0.0
+    best = 0.0
+    for length in range(1, min(per_turn, moves) + 1):
+        for seq in itertools.product(range(4), repeat=length):
+            dist, won = {state: 1.0}, 0.0
+            for a in seq:
+                nxt: dict = {}
+                for s, p in dist.items():
+                    for q, s2, _, _ in lake.P[s][a]:
+                        if flat[s2] == b"G":
+                            won += p * q
+                        elif flat[s2] != b"H":
+                            nxt[s2] = nxt.get(s2, 0.0) + p * q
+                dist = nxt
+            best = max(best, won + _turn_expectimax(lake, dist, turns - 1, moves - length, per_turn))
+    return best
+
+
+SMALL_MAPS = [["SFF", "FHF", "FFG"], ["SFH", "FFF", "HFG"], ["SF", "FG"], ["SFFF", "FHFH", "FFFH", "HFFG"]]
+
+
+@pytest.mark.parametrize("desc", SMALL_MAPS)
+@pytest.mark.parametrize("success_rate", [1 / 3, 0.6, 1.0])
+def test_finite_horizon_value_equals_brute_force(desc, success_rate):
+    env = play(desc, success_rate=success_rate)
+    solver = LakeSolver(env)
+    for moves in range(0, 5 if len(desc) < 4 else 4):
+        for s in range(len(solver.model.goal)):
+            assert solver.values(moves)[s] == pytest.approx(_expectimax(env.lake, s, moves), abs=1e-12), (moves, s)
+    assert success_probability(env, horizon=3) == pytest.approx(_expectimax(env.lake, 0, 3), abs=1e-12)
+
+
+@pytest.mark.parametrize("desc", SMALL_MAPS[:3])
+def test_turn_values_equal_brute_force_over_turn_structured_play(desc):
+    env = play(desc)
+    solver = LakeSolver(env)
+    for turns, moves, per_turn in [(1, 2, 2), (2, 4, 2), (2, 3, 2), (3, 4, 2), (1, 3, 3), (2, 5, 3)]:
+        brute = _turn_best(env.lake, 0, turns, moves, per_turn)
+        assert solver.turn_values(turns, moves, per_turn)[0] == pytest.approx(brute, abs=1e-12), (turns, moves, per_turn)
+    # the expert's plan for a turn attains the value
+    plan = solver.turn_plan(0, 2, 4, 2)
+    assert len(plan) == 2 and all(1 <= a <= 4 for a in plan)
+
+
+def test_finite_horizon_policy_monte_carlo_on_the_env():
+    """The time-dependent policy played on the env's own dynamics wins as often as V_H says."""
+    desc = ["SFFF", "FFFF", "HFFF", "FFFG"]
+    env = play(desc)
+    horizon = 12
+    exact = success_probability(env, horizon=horizon)
+    policy = solve_finite(env, horizon)
+    wins, n = 0, 1500
+    for seed in range(n):
+        env.reset(seed=seed, options={"map": desc})
+        for left in range(horizon, 0, -1):
+            _, reward, terminated, _, _ = env.step(policy[left][env.state])
+            if terminated:
+                break
+        wins += reward == 1.0
+    assert wins / n == pytest.approx(exact, abs=4 * (exact * (1 - exact) / n) ** 0.5)
+    # and it beats the infinite-horizon policy within the same cap
+    assert exact > policy_success_probability(env, horizon) + 0.2  # 0.305 vs 0.050
+
+
+def test_finite_horizon_is_the_infinite_policy_with_moves_to_spare():
+    env = play(STANDARD, is_slippery=False)
+    solver = LakeSolver(env)
+    inf = solve(env)
+    assert all(solver.action(s, 40) == a for s, a in inf.items())
+    assert solver.path(0, 6) and len(solver.path(0, 6)) == 6
+    assert success_probability(env, horizon=6) == 1.0 and success_probability(env, horizon=5) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(2, 5),
+    p=st.sampled_from([0.5, 0.7, 0.9]),
+    seed=st.integers(0, 10_000),
+    success_rate=st.sampled_from([1 / 3, 0.5, 0.8, 1.0]),
+    slippery=st.booleans(),
+    horizon=st.integers(0, 30),
+    per_turn=st.integers(1, 3),
+)
+def test_finite_horizon_optimum_properties(size, p, seed, success_rate, slippery, horizon, per_turn):
+    env = FrozenLakeEnv(size=size, p=p, is_slippery=slippery, success_rate=success_rate)
+    env.reset(seed=seed)
+    solver = LakeSolver(env)
+    v = success_probability(env, horizon)
+    # at least what the infinite-horizon policy achieves within the same cap, at most its unlimited value
+    assert v >= policy_success_probability(env, horizon) - 1e-12
+    assert v <= success_probability(env) + 1e-9
+    assert success_probability(env, horizon + 1) >= v - 1e-12  # more moves never hurt
+    # the finite-horizon policy attains V_H exactly (evaluated by its own state distribution)
+    model, dist, won = solver.model, np.zeros(len(solver.model.goal)), 0.0
+    dist[model.start] = 1.0
+    for left in range(horizon, 0, -1):
+        acts = np.array([solver.action(s, left) - 1 for s in range(len(dist))])
+        idx = np.arange(len(dist))
+        won += float(dist @ model.goal_prob[acts, idx])
+        dist = dist @ model.trans[acts, idx]
+    assert won == pytest.approx(v, abs=1e-9)
+    # turn-structured play: between one move per turn and closed-loop play over every move
+    turns = max(1, horizon // per_turn)
+    moves = turns * per_turn
+    u = turn_success_probability(env, turns, per_turn)
+    assert success_probability(env, turns) - 1e-12 <= u <= success_probability(env, moves) + 1e-12
+    assert turn_success_probability(env, turns, 1) == pytest.approx(success_probability(env, turns), abs=1e-15)
+    if solver.model.deterministic:  # open loop loses nothing on deterministic ice
+        assert u == pytest.approx(success_probability(env, moves), abs=1e-12)

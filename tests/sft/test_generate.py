@@ -15,6 +15,8 @@ CASES = {
     "sokoban": ("sokoban", []),
     "frozen_lake_slippery": ("frozen_lake", ["agent.max_turn=30"]),
     "frozen_lake_deterministic": ("frozen_lake", ["env.config.is_slippery=false", "agent.max_turn=4", "agent.max_actions_per_turn=3"]),
+    "frozen_lake_slippery_two_per_turn": ("frozen_lake", ["agent.max_turn=10", "agent.max_actions_per_turn=2",
+                                                          "agent.max_actions_per_traj=20"]),
     "bandit": ("bandit", []),
     "bandit_test_names": ("bandit", ["env.config.name_set=test", "agent.enable_think=true", "agent.response_prefix=''"]),
 }
@@ -70,6 +72,30 @@ def test_sokoban_rationale_states_the_bfs_plan():
             # Each turn re-plans from the current state: the plan shrinks by the actions taken.
         lengths = [len(p) for p in record["plans"]]
         assert all(a - b == 2 for a, b in zip(lengths, lengths[1:])), lengths
+
+
+def test_slippery_lake_data_is_the_finite_horizon_policy_for_the_moves_left():
+    """``ragen sft generate`` gives the expert the episode's budget: each answer is the optimal
+    action for the moves left (20 turns x 1 action here), and the rationale says so."""
+    from ragen.envs.frozen_lake import LakeSolver
+
+    config = load_config("frozen_lake", ["agent.max_turn=20", "agent.max_actions_per_turn=1", "agent.max_actions_per_traj=20",
+                                         "agent.enable_think=true"])
+    settings = agent_settings(config)
+    checked = 0
+    for record in expert_records(config, 4, keep_failures=True):
+        env = ragen.envs.make(config.env.name, **config.env.config)
+        env.reset(seed=record["seed"])
+        solver = LakeSolver(env)
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        for steps, (reply, [action]) in enumerate(zip(replies, record["actions"])):
+            assert action == env.action_lookup[solver.action(env.state, 20 - steps)]
+            assert f"within the {20 - steps} move" in parse_response(reply, enable_think=True).think
+            checked += 1
+            _, _, terminated, truncated, _ = env.step(env.parse_action(action))
+            if terminated or truncated:
+                break
+    assert checked >= 8 and settings.max_actions_per_turn == 1
 
 
 def test_user_messages_are_the_rollout_wording():
