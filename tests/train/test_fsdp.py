@@ -120,11 +120,12 @@ def _metrics(run) -> list[dict]:
 @pytest.mark.parametrize("extra", [
     ["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true"],  # critic (whole) + a sharded KL reference copy
     ["lora.rank=4", "algorithm.use_kl_loss=true"],  # sharded layers with frozen base weights; reference = adapters off
-], ids=["full+critic+kl", "lora+kl"])
+    ["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true", "trainer.fsdp=false"],  # the replicated (DDP-style) update
+], ids=["fsdp-full+critic+kl", "fsdp-lora+kl", "replicated-full+critic+kl"])
 def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
-    """`train()` on 2 FSDP ranks: the metrics, checkpoint and final weights of one process; then a
-    resumed FSDP run (restoring sharded weights and AdamW moments from the whole checkpoint) goes on
-    exactly like an uninterrupted single-process run."""
+    """`train()` on 2 ranks: the metrics, checkpoint and final weights of one process; then a resumed
+    2-rank run (under FSDP restoring sharded weights and AdamW moments from the whole checkpoint)
+    goes on exactly like the resumed single-process run."""
     from ragen.train.checkpoint import latest_checkpoint
 
     fsdp, solo = tmp_path / "fsdp", tmp_path / "solo"
@@ -140,7 +141,7 @@ def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
         timeless = lambda row: {k for k in row if not k.startswith("time/") and k not in unstable}  # noqa: E731
         assert timeless(a) == timeless(b)  # (FSDP adds time/weight_sync_s: the replica's sync)
         for key in timeless(a):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6, nan_ok=True), key
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5, nan_ok=True), key
     ckpts = [latest_checkpoint(run)[1] for run in (fsdp, solo)]
     assert set(ckpts[0]["params"]) == set(ckpts[1]["params"]) and set(ckpts[0]["optimizer_tensors"]) == set(ckpts[1]["optimizer_tensors"])
     for kind in ("params", "optimizer_tensors"):
@@ -157,4 +158,4 @@ def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
     assert [r["step"] for r in rows[0]] == [0, 1, 2, 3]
     for key in rows[1][3]:
         if not key.startswith("time/") and key not in unstable:
-            assert rows[0][3][key] == pytest.approx(rows[1][3][key], rel=1e-4, abs=1e-6, nan_ok=True), key
+            assert rows[0][3][key] == pytest.approx(rows[1][3][key], rel=1e-4, abs=1e-5, nan_ok=True), key
