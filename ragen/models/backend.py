@@ -19,6 +19,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.device import model_device
+from ragen.models.growing_cache import GrowingLayer, make_growing
+from ragen.models.lm_head import transposed_lm_head
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
@@ -81,15 +83,25 @@ class HFBackend:
     ``sampler="inverse_cdf"`` (default) draws sampled tokens with
     :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
     ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``.
+
+    ``fast_head=True`` (default) computes the LM head's logits as ``W @ hᵀ`` while generating
+    when the head is a plain fp32 ``nn.Linear`` on the CPU (:mod:`ragen.models.lm_head`: same
+    logits, a faster GEMM layout); the model is restored after each call.
+
+    ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
+    (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
+    ``torch.cat`` of the whole cache per decode step).
     """
 
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf"):
+                 sampler: str = "inverse_cdf", fast_head: bool = True, grow_cache: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
+        self.fast_head = fast_head
+        self.grow_cache = grow_cache
         self.model = model
         self.tokenizer = tokenizer
         self.precision = precision
@@ -143,14 +155,15 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type):
+            with autocast(self.precision, self.device.type), transposed_lm_head(self.model, self.fast_head):
                 start = time.perf_counter()
+                room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
-                    input_ids, attention_mask, cache = self._resume_prefill(prompts, kept)
+                    input_ids, attention_mask, cache = self._resume_prefill(prompts, kept, room)
                     kept.clear()  # copied into ``cache``: free the entries before decoding
                 else:
                     input_ids, attention_mask = self._left_pad(prompts)
-                    cache = self._shared_prefill(prompts, input_ids, attention_mask)
+                    cache = self._shared_prefill(prompts, input_ids, attention_mask, room)
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
@@ -179,7 +192,8 @@ class HFBackend:
             attention_mask[row, width - len(prompt) :] = 1
         return input_ids.to(self.device), attention_mask.to(self.device)
 
-    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        room: int | None = None):
         """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
 
         A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
@@ -190,6 +204,10 @@ class HFBackend:
         (the same pass ``generate`` would make), so prefill time is measured apart from
         decoding. None when the model keeps no KV cache (or the prompts are one token long):
         ``generate`` then prefills as usual.
+
+        With ``room`` (the most tokens ``generate`` will add), the cache's layers grow in place
+        (:func:`~ragen.models.growing_cache.make_growing`, before the row copy so it copies the
+        spare columns too).
         """
         if input_ids.shape[1] < 2 or not self.model.config.use_cache:
             self.stats.prefilled_tokens += sum(len(p) for p in prompts)
@@ -202,12 +220,14 @@ class HFBackend:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = output_cache(out)
+        if room is not None:
+            make_growing(cache, input_ids.shape[1] + room)
         if len(distinct) < len(prompts):
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
 
-    def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None]):
+    def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None], room: int | None = None):
         """Left-padded ids, mask and a KV cache for ``prompts`` where row ``i`` starts with ``kept[i]``.
 
         Columns ``[0, C)`` hold each row's kept prefix (``c_i`` tokens, right-aligned, from the
@@ -216,7 +236,8 @@ class HFBackend:
         ``generate`` feeds itself. Only the ``[C, C + S)`` block is run through the model.
         The mask may hold padding between a row's two parts; positions count only real
         tokens (``cumsum`` of the mask, as ``generate`` computes them), so each token gets
-        the position it had when its keys were first computed.
+        the position it had when its keys were first computed. With ``room``, the cache grows in
+        place (see :meth:`_shared_prefill`).
         """
         n = len(prompts)
         reused = [min(len(k), len(p) - 1) if k is not None else 0 for k, p in zip(kept, prompts)]  # c_i
@@ -242,6 +263,8 @@ class HFBackend:
                     keys[row, :, C - c :] = entry.keys[layer][:, :c]
                     values[row, :, C - c :] = entry.values[layer][:, :c]
             cache.update(keys, values, layer)
+        if room is not None:
+            make_growing(cache, C + S + 1 + room)
         if S:
             positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
             self.model(
@@ -255,7 +278,7 @@ class HFBackend:
     def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
         """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn."""
         layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        if not layers or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
             return  # sliding-window, quantized, ... caches are not re-laid out here; those rows prefill as usual
         width, cached = attention_mask.shape[1], cache.get_seq_length()
         for row, (prompt, gen) in enumerate(zip(prompts, generations)):

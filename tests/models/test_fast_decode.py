@@ -1,0 +1,203 @@
+"""Decode levers: the LM head as ``W @ hᵀ`` and a KV cache that grows in place give the plain path's tokens and logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+import ragen.models.lm_head as lm_head
+from ragen.models import load_model
+from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.cache_names import output_cache
+from ragen.models.growing_cache import GrowingLayer, make_growing
+from ragen.models.lm_head import fast_head_applies, output_head, transposed_linear, transposed_lm_head
+from ragen.models.lora import apply_lora
+from ragen.models.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def prompts(tokenizer):
+    texts = ["The arms are Apple and Stuntman.", "Sokoban: push the box X onto the target O, please now.", "Hi"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    return [ids[0]] * 3 + [ids[1]] * 2 + [ids[2]] + [ids[0]]  # groups sharing prompts, different lengths
+
+
+# ---------------------------------------------------------------------------- LM head
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_linear_is_linear_with_the_same_gradients(bias):
+    torch.manual_seed(0)
+    w = torch.randn(300, 24, requires_grad=True)
+    b = torch.randn(300, requires_grad=True) if bias else None
+    h = torch.randn(2, 5, 24, requires_grad=True)
+    ref = F.linear(h, w, b)
+    out = transposed_linear(h, w, b)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, [h, w] + ([b] if bias else []), g)
+    grads = torch.autograd.grad(out, [h, w] + ([b] if bias else []), g)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def capture_head(model):
+    """Every LM-head output during a call (forward hooks run whichever forward the head uses)."""
+    seen = []
+    handle = output_head(model).register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    return seen, handle
+
+
+def count_calls(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sample):
+    model, tokenizer = tiny
+    batch = prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
+    runs = {}
+    for levers in (False, True):
+        backend = HFBackend(model, tokenizer, precision="fp32", fast_head=levers, grow_cache=levers)
+        head_calls = count_calls(monkeypatch, lm_head, "transposed_linear")
+        grow_updates = count_calls(monkeypatch, GrowingLayer, "update")
+        seen, handle = capture_head(model)
+        try:
+            torch.manual_seed(0)
+            gens = backend.generate(batch, params)
+        finally:
+            handle.remove()
+        runs[levers] = gens, seen
+        # the levers really ran (or really did not): a silent fallback fails here
+        assert bool(head_calls) == levers and len(head_calls) == (len(seen) if levers else 0)
+        assert bool(grow_updates) == levers
+        assert "forward" not in vars(output_head(model))  # the head is restored after generate
+    (plain, plain_logits), (fast, fast_logits) = runs[False], runs[True]
+    assert [g.token_ids for g in fast] == [g.token_ids for g in plain]
+    assert [g.finish_reason for g in fast] == [g.finish_reason for g in plain]
+    assert len(fast_logits) == len(plain_logits) > 2
+    for a, b in zip(fast_logits, plain_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.log_softmax(a, -1), torch.log_softmax(b, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_head_is_switched_only_inside_the_block_and_restored_on_error(tiny):
+    model, _ = tiny
+    head = output_head(model)
+    ids = torch.tensor([[1, 5, 9, 200, 17]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        with transposed_lm_head(model) as switched:
+            assert switched and "forward" in vars(head)
+            out = model(ids).logits
+        assert "forward" not in vars(head)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="boom"):
+            with transposed_lm_head(model):
+                raise RuntimeError("boom")
+        assert "forward" not in vars(head)
+
+
+def test_untied_head_with_bias_and_lora_models_use_the_lever(tiny):
+    _, tokenizer = tiny
+    config = tiny_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(config.vocab_size))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        with transposed_lm_head(model) as switched:
+            out = model(ids).logits
+    assert switched
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    peft_model = apply_lora(model, rank=4, alpha=8)  # adapters on the decoder's linears: the head stays plain
+    with torch.no_grad(), transposed_lm_head(peft_model) as switched:
+        assert switched
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
+    assert "forward" not in vars(model.lm_head)
+
+
+def test_heads_that_are_not_plain_fp32_linears_keep_their_forward(tiny):
+    model, _ = tiny
+    torch.manual_seed(2)
+    lora_on_head = apply_lora(load_model("tiny")[0], rank=4, alpha=8, target_modules=["lm_head"])
+    assert not fast_head_applies(output_head(lora_on_head))
+    with transposed_lm_head(lora_on_head) as switched:
+        assert not switched
+    with torch.autocast("cpu", dtype=torch.bfloat16), transposed_lm_head(model) as switched:
+        assert not switched
+    with transposed_lm_head(model, enabled=False) as switched:
+        assert not switched
+    assert "forward" not in vars(output_head(model))
+
+
+# ---------------------------------------------------------------------------- growing KV cache
+def test_growing_layer_holds_what_cat_holds_through_reorder_crop_and_select():
+    torch.manual_seed(0)
+    ref, grow = DynamicLayer(), None
+    k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    ref.update(k, v)
+    grow = GrowingLayer.from_tensors(k, v, capacity=7)
+    for step in range(6):  # 7 columns of room, then a regrowth
+        k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+        rk, rv = ref.update(k, v)
+        gk, gv = grow.update(k, v)
+        assert torch.equal(gk, rk) and torch.equal(gv, rv)
+    assert grow._owns_views()
+    index = torch.tensor([1, 0, 1])
+    ref.reorder_cache(index)
+    grow.reorder_cache(index)
+    assert torch.equal(grow.keys, ref.keys) and grow._owns_views() and grow._key_buffer.shape[0] == 3
+    ref.crop(-2)
+    grow.crop(-2)
+    ref.batch_select_indices(torch.tensor([0, 2]))
+    grow.batch_select_indices(torch.tensor([0, 2]))
+    k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4)
+    rk, rv = ref.update(k, v)
+    gk, gv = grow.update(k, v)
+    assert torch.equal(gk, rk) and torch.equal(gv, rv) and grow.get_seq_length() == ref.get_seq_length()
+
+
+def test_growing_layer_falls_back_to_cat_under_autograd():
+    k = torch.randn(1, 2, 3, 4, requires_grad=True)
+    layer = GrowingLayer.from_tensors(k.detach(), k.detach(), capacity=8)
+    keys, _ = layer.update(k, k)
+    keys.sum().backward()
+    assert torch.equal(k.grad, torch.ones_like(k))
+
+
+def test_make_growing_leaves_other_layer_types_alone(tiny):
+    model, _ = tiny
+    with torch.no_grad():
+        cache = output_cache(model(torch.tensor([[1, 2, 3]]), use_cache=True))
+    assert isinstance(cache, DynamicCache)
+    make_growing(cache, 10)
+    assert all(type(layer) is GrowingLayer for layer in cache.layers)
+    assert cache.get_seq_length() == 3 and cache.layers[0]._key_buffer.shape[2] == 10
+
+
+def test_kept_caches_between_turns_give_the_same_tokens_with_a_growing_cache(tiny):
+    model, tokenizer = tiny
+    first = prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, do_sample=True)
+    outs = {}
+    for grow in (False, True):
+        backend = HFBackend(model, tokenizer, precision="fp32", grow_cache=grow)
+        torch.manual_seed(0)
+        with backend.prefix_cache.session():
+            turn1 = backend.generate(first, params)
+            second = [p + g.token_ids + tokenizer("next turn")["input_ids"] for p, g in zip(first, turn1)]
+            turn2 = backend.generate(second, params)
+            assert backend.stats.reused_tokens > 0  # the second turn resumed from kept caches
+        outs[grow] = [g.token_ids for g in turn1 + turn2]
+    assert outs[True] == outs[False]
