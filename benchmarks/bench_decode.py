@@ -1,0 +1,227 @@
+"""Decode levers side by side: the LM head as ``W @ hᵀ`` and a KV cache that grows in place (issue 7).
+
+    .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~6 min on a quiet machine
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections head steps --rounds 3
+
+One process; every comparison alternates its arms (A B B A …) so that other work on the
+machine slows both alike. Sections (``--sections``):
+
+``head``
+    The LM head's GEMM alone at generation row counts (``--batches``) and at the update's
+    chunk sizes (``--update-rows``, forward + backward of ``log_softmax``/``gather``, with and
+    without a weight gradient): ``F.linear(h, W)`` vs ``(W @ hᵀ)ᵀ``.
+``steps``
+    Decode steps of the model itself (``model(next_token, cache)`` + argmax) at each batch,
+    from a ``--prompt-len`` prefill, arms ``plain`` / ``head`` / ``grow`` / ``head+grow``,
+    ``--step-count`` steps per arm per round; median ms per step.
+``generate``
+    ``HFBackend.generate`` end to end (shared-prompt prefill, ``B / 4`` distinct prompts,
+    exactly ``--new-tokens`` new tokens, temperature 0.8, inverse-CDF sampling), levers off
+    (``fast_head=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
+    match. Generated tok/s and MFU = 2·N·tokens / decode seconds / fp32 matmul peak (2048³,
+    best of before/after the section, as ``bench_roofline.py``).
+
+Printed first: the command, commit, machine, threads, load; after each section the CPU time
+other processes used meanwhile (contention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_roofline import Contention, matmul_gflops  # noqa: E402
+from machine import machine  # noqa: E402
+
+
+def med_ms(xs) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def alternate(arms: list[str], rounds: int):
+    """Arm order per round: forward on even rounds, reversed on odd ones."""
+    for r in range(rounds):
+        for a in (arms if r % 2 == 0 else arms[::-1]):
+            yield r, a
+
+
+def peak(torch) -> float:
+    return max(matmul_gflops(torch, torch.float32, 2048, "A@B", 3), matmul_gflops(torch, torch.float32, 2048, "A@B^T", 3))
+
+
+# ---------------------------------------------------------------------------- sections
+def head_section(torch, model, args) -> None:
+    import torch.nn.functional as F
+
+    from ragen.models.lm_head import output_head, transposed_linear
+
+    W = output_head(model).weight.detach()
+    V, H = W.shape
+    print(f"\n[head] LM head {V} x {H}: F.linear(h, W) vs (W @ h^T)^T, median of {args.rounds} alternated rounds x 5 calls")
+    with torch.no_grad():
+        for M in args.batches:
+            h = torch.randn(M, H)
+            times = {"linear": [], "W@h^T": []}
+            for r, arm in alternate(list(times), args.rounds + 1):
+                fn = (lambda: F.linear(h, W)) if arm == "linear" else (lambda: transposed_linear(h, W))
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    fn()
+                    if r > 0:
+                        times[arm].append(time.perf_counter() - t0)
+            a, b = med_ms(times["linear"]), med_ms(times["W@h^T"])
+            print(f"  generation, {M:4d} rows: linear {a:6.1f} ms ({2 * M * V * H / a / 1e6:5.1f} GFLOP/s), "
+                  f"W@h^T {b:6.1f} ms ({2 * M * V * H / b / 1e6:5.1f} GFLOP/s): {a / b:.2f}x", flush=True)
+    for M in args.update_rows:
+        for weight_grad in (True, False):
+            times = {"linear": [], "W@h^T": []}
+            for r, arm in alternate(list(times), args.rounds + 1):
+                w = W.clone().requires_grad_(weight_grad)
+                h = torch.randn(M, H, requires_grad=True)
+                target = torch.randint(0, V, (M, 1))
+                t0 = time.perf_counter()
+                logits = F.linear(h, w) if arm == "linear" else transposed_linear(h, w)
+                torch.log_softmax(logits.float(), -1).gather(-1, target).sum().backward()
+                if r > 0:
+                    times[arm].append(time.perf_counter() - t0)
+            a, b = med_ms(times["linear"]), med_ms(times["W@h^T"])
+            print(f"  update chunk, {M:4d} rows, weight grad {str(weight_grad):5s}: forward+backward linear {a:7.1f} ms, "
+                  f"W@h^T {b:7.1f} ms: {a / b:.2f}x", flush=True)
+
+
+def steps_section(torch, model, tokenizer, args) -> None:
+    from transformers.cache_utils import DynamicCache
+
+    from ragen.models.cache_names import output_cache
+    from ragen.models.growing_cache import make_growing
+    from ragen.models.lm_head import transposed_lm_head
+
+    arms = ["plain", "head", "grow", "head+grow"]
+    text = "You are playing a bandit game. Two arms: Apple and Stuntman. Each arm pays a random reward. Think. " * 8
+    prompt = tokenizer(text)["input_ids"][: args.prompt_len]
+    n = args.step_count
+    print(f"\n[steps] decode steps of the model, prompt {len(prompt)} tokens, {n} steps per arm per round, "
+          f"{args.rounds} timed rounds after 1 warm-up round; median ms per step")
+    for B in args.batches:
+        ids = torch.tensor([prompt] * B)
+        with torch.no_grad():
+            base = output_cache(model(ids, use_cache=True, logits_to_keep=1))
+        mask = torch.ones(B, len(prompt) + n + 1, dtype=torch.long)
+        times = {a: [] for a in arms}
+        for r, arm in alternate(arms, args.rounds + 1):
+            cache = DynamicCache(config=model.config)
+            for i, layer in enumerate(base.layers):
+                cache.update(layer.keys.clone(), layer.values.clone(), i)
+            if "grow" in arm:
+                make_growing(cache, len(prompt) + n)
+            token = torch.full((B, 1), 42)
+            with torch.no_grad(), transposed_lm_head(model, "head" in arm):
+                for s in range(n):
+                    L = len(prompt) + s
+                    t0 = time.perf_counter()
+                    out = model(input_ids=token, attention_mask=mask[:, : L + 1], position_ids=torch.full((B, 1), L),
+                                cache=cache, use_cache=True)
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    if r > 0:
+                        times[arm].append(time.perf_counter() - t0)
+        plain = med_ms(times["plain"])
+        print(f"  batch {B}: " + ", ".join(f"{a} {med_ms(times[a]):.1f} ms ({plain / med_ms(times[a]):.2f}x)" for a in arms),
+              flush=True)
+
+
+def generate_section(torch, model, tokenizer, args) -> None:
+    from ragen.models.backend import HFBackend, SamplingParams
+
+    n_params = sum(p.numel() for p in model.parameters())
+    arms = {"levers off": dict(fast_head=False, grow_cache=False), "levers on": dict(fast_head=True, grow_cache=True)}
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8)
+    model.generation_config.min_new_tokens = args.new_tokens  # every row writes exactly new_tokens
+    print(f"\n[generate] HFBackend.generate, groups of 4 rows per prompt, exactly {args.new_tokens} new tokens, "
+          f"{args.rounds} alternated rounds (+1 warm-up), seed 0 per call")
+    for B in args.batches:
+        texts = [f"Game {i}: you are playing a bandit game. Two arms: Apple and Stuntman. Each arm pays a random reward. "
+                 "Think step by step, then answer inside <answer></answer>. " * 4 for i in range(max(1, B // 4))]
+        prompts = [tokenizer(t)["input_ids"][: args.prompt_len] for t in texts for _ in range(4)][:B]
+        p0 = peak(torch)
+        times, tokens = {a: [] for a in arms}, {}
+        for r, arm in alternate(list(arms), args.rounds + 1):
+            backend = HFBackend(model, tokenizer, precision="fp32", **arms[arm])
+            torch.manual_seed(0)
+            gens = backend.generate(prompts, params)
+            tokens[arm] = [g.token_ids for g in gens]
+            if r > 0:
+                times[arm].append(backend.stats.decode_s)
+            print(f"    round {r}{' (warm-up)' if r == 0 else ''} {arm}: decode {backend.stats.decode_s:.2f} s, "
+                  f"prefill {backend.stats.prefill_s:.2f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+        p1 = peak(torch)
+        fp32_peak = max(p0, p1)
+        generated = sum(len(t) for t in tokens["levers on"])
+        same = tokens["levers on"] == tokens["levers off"]
+        line = []
+        for arm in arms:
+            s = statistics.median(times[arm])
+            mfu = 2 * n_params * generated / s / (fp32_peak * 1e9)
+            line.append(f"{arm} {s:.2f} s ({generated / s:.1f} tok/s, MFU {mfu:.1%})")
+        off, on = statistics.median(times["levers off"]), statistics.median(times["levers on"])
+        print(f"  batch {B}: " + ", ".join(line) + f"; ratio {off / on:.2f}x; same tokens: {same}; "
+              f"fp32 peak {fp32_peak:.1f} GFLOP/s (before {p0:.1f}, after {p1:.1f})", flush=True)
+    model.generation_config.min_new_tokens = None
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--sections", nargs="+", default=["head", "steps", "generate"], choices=["head", "steps", "generate"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--update-rows", type=int, nargs="*", default=[128, 512, 1024])
+    ap.add_argument("--prompt-len", type=int, default=110)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--step-count", type=int, default=8, help="decode steps per arm per round (steps section)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed alternated rounds per comparison")
+    args = ap.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    from ragen.models.loading import load_model
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"commit {commit or '?'}{' (+ uncommitted changes in the tree)' if dirty else ''}; machine: {machine()}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, torch threads {torch.get_num_threads()}",
+          flush=True)
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    whole = Contention()
+    for name in args.sections:
+        section = Contention()
+        if name == "head":
+            head_section(torch, model, args)
+        elif name == "steps":
+            steps_section(torch, model, tokenizer, args)
+        else:
+            generate_section(torch, model, tokenizer, args)
+        print(f"  ({name}: {section.report()})", flush=True)
+    print(f"\nwhole run: {whole.report()}; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
