@@ -15,7 +15,8 @@ Reasons:
 * many models tie the LM head to the input embedding (SmolLM2, Qwen2.5 ≤ 3B): sharding the
   embedding in one unit while the head uses the same tensor elsewhere would break the tie.
 
-The layers hold most of the parameters (SmolLM2-135M: 106 M of 134.5 M; a 7B model: ~93 %).
+The layers hold most of the parameters: SmolLM2-135M 106 M of 134.5 M (79 %); Qwen2.5-7B
+(vocabulary 152 064 × hidden 3 584, untied head) about 6.5 B of 7.6 B (86 %).
 
 Gradient semantics
 ------------------
