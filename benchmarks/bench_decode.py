@@ -13,7 +13,8 @@ machine slows both alike. Sections (``--sections``):
 ``steps``
     Decode steps of the model itself (``model(next_token, cache)`` + argmax) at each batch,
     from a ``--prompt-len`` prefill, arms ``plain`` / ``head`` / ``grow`` / ``head+grow``,
-    ``--step-count`` steps per arm per round; median ms per step.
+    ``--step-count`` steps per arm per round; median ms per step, and the median over rounds
+    of each round's plain/arm ratio (paired: robust to load that changes between rounds).
 ``generate``
     ``HFBackend.generate`` end to end (shared-prompt prefill, ``B / 4`` distinct prompts,
     exactly ``--new-tokens`` new tokens, temperature 0.8, inverse-CDF sampling), levers off
@@ -135,8 +136,12 @@ def steps_section(torch, model, tokenizer, args) -> None:
                     if r > 0:
                         times[arm].append(time.perf_counter() - t0)
         plain = med_ms(times["plain"])
-        print(f"  batch {B}: " + ", ".join(f"{a} {med_ms(times[a]):.1f} ms ({plain / med_ms(times[a]):.2f}x)" for a in arms),
-              flush=True)
+        # paired: plain / arm within each round (the arms of a round ran back to back), then the median over rounds
+        paired = {a: statistics.median(statistics.median(times["plain"][i * n:(i + 1) * n]) /
+                                       statistics.median(times[a][i * n:(i + 1) * n]) for i in range(args.rounds))
+                  for a in arms}
+        print(f"  batch {B}: " + ", ".join(f"{a} {med_ms(times[a]):.1f} ms ({plain / med_ms(times[a]):.2f}x, "
+                                            f"paired per round {paired[a]:.2f}x)" for a in arms), flush=True)
 
 
 def generate_section(torch, model, tokenizer, args) -> None:
