@@ -70,10 +70,13 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
     Sharded (FSDP) parameters and optimizer moments are gathered whole first: a collective, so
     under FSDP every rank calls this, and only the one with ``write=True`` writes.
     """
+    if not write:  # join every gather (collectives: the writer's order, weights then moments), keep nothing
+        for v in named_params.values():
+            _cpu_copy(v, keep=False)
+        _optimizer_state(optimizer, named_params, keep=False)
+        return None
     model_tensors = {k: _cpu_copy(v) for k, v in named_params.items()}
     opt_tensors, opt_json = _optimizer_state(optimizer, named_params)
-    if not write:
-        return None
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
@@ -165,22 +168,26 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, 
     optimizer.load_state_dict(state_dict)
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor]):
-    """AdamW state as flat safetensors keyed ``<param name>::<slot>``, plus JSON-able group settings."""
+def _optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor], keep: bool = True):
+    """AdamW state as flat safetensors keyed ``<param name>::<slot>``, plus JSON-able group settings.
+    ``keep=False``: only join the gathers of sharded moments (a rank that does not write)."""
     index = {id(p): name for name, p in named_params.items()}
     tensors: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for slot, value in optimizer.state.get(p, {}).items():
-                tensors[f"{index[id(p)]}::{slot}"] = _cpu_copy(value)
+                copy = _cpu_copy(value, keep)
+                if keep:
+                    tensors[f"{index[id(p)]}::{slot}"] = copy
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return tensors, {"param_groups": groups}
 
 
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _cpu_copy(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
     """A contiguous CPU copy of the whole tensor (safetensors writes host memory; the live tensor may
-    be on a GPU, or an FSDP shard, gathered here: a collective)."""
-    return full_tensor(tensor.detach()).to("cpu", copy=True).contiguous()
+    be on a GPU, or an FSDP shard, gathered here: a collective). ``keep=False``: gather, copy nothing."""
+    whole = full_tensor(tensor.detach())
+    return whole.to("cpu", copy=True).contiguous() if keep else None
 
 
 def _to_json(obj):

@@ -35,8 +35,6 @@ on every rank; the update pads ranks with fewer micro-batches with a weight-0 mi
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,8 +47,18 @@ except ImportError:  # pragma: no cover - older torch: trainer.fsdp reports it
     DTensor = ()  # isinstance(x, ()) is always False
 
 
+def torch_version() -> str:
+    return torch.__version__
+
+
 def fsdp_available() -> bool:
-    return fully_shard is not None and dist.is_available()
+    """FSDP2 with what this module calls (``set_force_sum_reduction_for_comms`` is the newest of them)."""
+    if fully_shard is None or not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return (hasattr(FSDPModule, "set_force_sum_reduction_for_comms") and hasattr(FSDPModule, "set_gradient_divide_factor")
+            and hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -76,7 +84,9 @@ def shard_layers(model: nn.Module, device: torch.device) -> int:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        # Each layer is its own FSDP root (nothing encloses it), and roots keep their gathered
+        # weights after forward unless told otherwise: free them after every forward.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         layer.set_gradient_divide_factor(1.0)  # SUM: losses already carry the global token weights
         layer.set_force_sum_reduction_for_comms(True)  # a plain SUM reduce-scatter (gloo has no PREMUL_SUM)
     return len(layers)
@@ -101,25 +111,23 @@ def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a mix of sharded and whole gradients; returns the total norm.
 
+    Without sharded gradients this *is* torch's function. Otherwise
     ‖g‖ = sqrt(‖g_sharded‖² + ‖g_whole‖²), where the sharded part is reduced over ranks
-    (``full_tensor`` of the ``DTensor`` norm); then every gradient is scaled by
-    min(1, max_norm / (‖g‖ + 1e-6)), as torch's own function does.
+    (``full_tensor`` of the ``DTensor`` norm, a collective), and every gradient is then scaled by
+    min(1, max_norm / (‖g‖ + 1e-6)) as torch's own function does (non-finite norms included).
     """
-    grads = [p for p in params if p.grad is not None]
-    sharded = [p.grad for p in grads if isinstance(p.grad, DTensor)]
-    whole = [p.grad for p in grads if not isinstance(p.grad, DTensor)]
-    squares = []
-    if sharded:
-        squares.append(full_tensor(torch.nn.utils.get_total_norm(sharded)).float() ** 2)
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
+    if not sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    whole = [p for p in with_grad if not isinstance(p.grad, DTensor)]
+    norm_sq = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in sharded])).float().cpu() ** 2
     if whole:
-        squares.append(torch.nn.utils.get_total_norm(whole).float().to(squares[0].device if squares else whole[0].device) ** 2)
-    if not squares:
-        return torch.tensor(0.0)
-    total = torch.sqrt(sum(s.cpu() for s in squares))
-    if math.isfinite(max_norm):
-        for group in (sharded, whole):
-            if group:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].device))
+        norm_sq = norm_sq + torch.nn.utils.get_total_norm([p.grad for p in whole]).float().cpu() ** 2
+    total = norm_sq.sqrt()
+    for group in (sharded, whole):
+        if group:  # scales each parameter's .grad in place
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
 
 

@@ -388,6 +388,8 @@ class StarPOTrainer:
                 share = 0.0 * share
             if not zero_gradient:
                 (loss * share).backward()
+            if padding:  # a padding pass adds no gradient and no metrics (its own may be NaN, e.g. one-token variances)
+                continue
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * float(share)
         if zero_gradient:  # what the backward pass would have produced, on every rank
