@@ -1,9 +1,9 @@
 """The LM head as ``W @ hᵀ`` on the CPU in fp32: the same logits, computed in a faster GEMM layout.
 
 ``nn.Linear`` computes ``h @ Wᵀ``. For a vocabulary-sized head on a few rows (SmolLM2:
-``W`` is 49 152 × 576, ``h`` is 16–128 rows) the CPU's fp32 GEMM is 1.5–1.9× faster when asked
-for ``(W @ hᵀ)ᵀ`` instead -- the same products and sums, another BLAS layout (measured in
-``benchmarks/bench_decode.py``; ``docs/performance.md``). The decoder's own 576-wide linears
+``W`` is 49 152 × 576, ``h`` is 16–128 rows) the CPU's fp32 GEMM is faster when asked
+for ``(W @ hᵀ)ᵀ`` instead (1.4–1.9× in the runs in
+``benchmarks/bench_decode.py``, ``docs/performance.md``): the same products and sums, another BLAS layout. The decoder's own 576-wide linears
 gain nothing from it, so only the head is changed.
 
 Used only where it was measured to win: a plain ``torch.nn.Linear`` head (exactly that
