@@ -337,9 +337,11 @@ def validate(config: RunConfig) -> None:
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
     if config.trainer.fsdp:
-        from ragen.train.fsdp import fsdp_available, torch_version
+        import torch
 
-        need(fsdp_available(), "trainer.fsdp", f"this torch ({torch_version()}) lacks the FSDP2 API it needs "
+        from ragen.train.fsdp import fsdp_available
+
+        need(fsdp_available(), "trainer.fsdp", f"this torch ({torch.__version__}) lacks the FSDP2 API it needs "
              "(torch.distributed.fsdp.fully_shard with FSDPModule.set_force_sum_reduction_for_comms)")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")

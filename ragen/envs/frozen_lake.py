@@ -304,7 +304,7 @@ def _value_iteration(model: LakeModel, tol: float = 1e-12, max_iters: int = 100_
     values = np.zeros(n_states)
     q = np.zeros((4, n_states))
     for _ in range(max_iters):
-        q = model.goal_prob + model.trans @ values
+        q = model.backup(values)  # values are 0 on terminal states, as backup assumes
         new = q.max(axis=0)
         new[model.terminal] = 0.0  # nothing more to gain on the goal (its reward was counted on arrival) or in a hole
         delta = np.abs(new - values).max()

@@ -29,7 +29,7 @@ Collectives must line up
 Every forward of a sharded layer is a collective: all ranks must run the same number of
 decoder passes in the same order. The trainer guarantees it: scoring runs on the whole batch
 on every rank; the update pads ranks with fewer micro-batches with a weight-0 micro-batch
-(:func:`micro_batch_count`); rank 0's rollout and validation run on an unsharded replica
+(:func:`ragen.train.distributed.micro_batch_count`); rank 0's rollout and validation run on an unsharded replica
 (:func:`sync_replica`), never on the sharded model.
 """
 
@@ -39,16 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ragen.models.freeze import decoder_layers
+
 try:  # torch >= 2.6 exports FSDP2 here
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # pragma: no cover - older torch: trainer.fsdp reports it
     fully_shard = None
     DTensor = ()  # isinstance(x, ()) is always False
-
-
-def torch_version() -> str:
-    return torch.__version__
 
 
 def fsdp_available() -> bool:
@@ -59,17 +57,6 @@ def fsdp_available() -> bool:
 
     return (hasattr(FSDPModule, "set_force_sum_reduction_for_comms") and hasattr(FSDPModule, "set_gradient_divide_factor")
             and hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder's block list: the largest ``nn.ModuleList`` under ``get_decoder()`` (``layers`` in
-    Llama/Qwen/Mistral, ``h`` in GPT-2), found without naming any architecture."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder()
-    lists = [m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ValueError(f"trainer.fsdp: no list of decoder layers found in {type(decoder).__name__}")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def shard_layers(model: nn.Module, device: torch.device) -> int:
@@ -146,13 +133,3 @@ def sync_replica(named: list[tuple[str, torch.Tensor]], replica: nn.Module | Non
             targets[name].copy_(full)
             gathered.append((name, targets[name]))
     return gathered
-
-
-def micro_batch_count(rows: int, micro_batch_size: int, world: int) -> int:
-    """Micro-batches every rank runs: the most any rank's shard of ``rows`` needs (ranks with fewer pad with weight 0).
-
-    Every rank can compute it alone: all ranks hold the whole mini-batch and shard it the same way
-    (:func:`ragen.train.distributed.shard`, sizes differ by at most one row).
-    """
-    largest = -(-rows // world)  # the first shards are the larger ones
-    return max(1, -(-largest // micro_batch_size))

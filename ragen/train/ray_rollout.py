@@ -46,6 +46,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
 from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
+from ragen.train.distributed import shard
 from ragen.train.env_sets import Slots, train_sets, val_sets
 
 #: Replacements per worker per step before the step fails.
@@ -62,14 +63,9 @@ def partition(n_groups: int, group_size: int, num_workers: int) -> list[tuple[in
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges ``[start, end)`` covering ``0..n``, sizes within one of each other (some may be empty)."""
-    base, extra = divmod(n, parts)
-    ranges, start = [], 0
-    for w in range(parts):
-        end = start + base + (1 if w < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+    """``parts`` contiguous ranges ``[start, end)`` covering ``0..n``, sizes within one of each other (some may be
+    empty): the ranks' split of a batch (:func:`ragen.train.distributed.shard`), as ``(start, end)`` pairs."""
+    return [(part.start, part.stop) for part in (shard(n, p, parts) for p in range(parts))]
 
 
 #: Which of a worker's slot sets a call plays: the training share or the validation share.

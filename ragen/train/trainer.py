@@ -29,8 +29,9 @@ from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_m
 from ragen.models.device import resolve_device
 from ragen.models.freeze import train_top_layers
 from ragen.train.batch import TrainBatch, collate, collate_turns
-from ragen.train.distributed import all_reduce_grads, barrier, broadcast_object, init_distributed, rank_world, reduce_metrics, shard
-from ragen.train.fsdp import clip_grad_norm_, micro_batch_count, shard_layers, sync_replica
+from ragen.train.distributed import (all_reduce_grads, barrier, broadcast_object, init_distributed, micro_batch_count,
+                                     rank_world, reduce_metrics, shard)
+from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ragen.config import load_config
-from ragen.train.fsdp import decoder_layers, full_tensor, micro_batch_count
-from ragen.train.distributed import shard
+from ragen.models.freeze import decoder_layers
+from ragen.train.distributed import micro_batch_count, shard
+from ragen.train.fsdp import full_tensor
 from ragen.train.trainer import StarPOTrainer
 from tests.train.test_distributed import (
     WORLD, _free_port, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
