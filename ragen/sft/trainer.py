@@ -31,6 +31,7 @@ from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
+from ragen.train.optimizer import adamw
 from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
 
 
@@ -71,8 +72,8 @@ class SFTTrainer:
             self.model.to(self.device)
         per_step = min(t.batch_size, len(self.data.train))
         self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=config.optim.lr,
-                                           betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay)
+        self.optimizer = adamw(self.trainable_parameters(), lr=config.optim.lr,
+                               betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay)
         o = config.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.warmup_steps, self.total_steps, o.schedule, o.min_lr_ratio))

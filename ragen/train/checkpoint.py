@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ragen.train.fsdp import full_tensor, like
+from ragen.train.optimizer import IMPLEMENTATION_KEYS
 
 COMPLETE = "COMPLETE"
 
@@ -158,7 +159,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, 
     names = list(named_params)
     state_dict = optimizer.state_dict()
     for group, saved_group in zip(state_dict["param_groups"], saved["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        group.update({k: v for k, v in saved_group.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, name in enumerate(names):
         keys = [k for k in tensors if k.startswith(f"{name}::")]

@@ -95,6 +95,7 @@ def policy_forward(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     value_head: torch.nn.Module | None = None,
     prompt_lengths: torch.Tensor | None = None,
     chunk_size: int = 1024,
@@ -104,7 +105,11 @@ def policy_forward(
     Args:
         input_ids, attention_mask: ``(B, L)``.
         response_mask: ``(B, T)`` with ``T = L - 1``; targets where results are needed.
-        temperature: logits are divided by it, matching the sampling distribution.
+        temperature: logits are divided by it, matching the sampling distribution (skipped at 1.0:
+            ``x / 1.0 == x`` exactly, and the division is a full pass over ``(n, V)`` forward and backward).
+        with_entropy: also return the entropy ``H_t = -Σ_v π_v log π_v``.
+        entropy_grad: False when the entropy is only a metric (no entropy bonus): it is then computed
+            from detached log-probs, so the backward pass skips its ``(n, V)`` exp/mul/sum graph.
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """
@@ -116,11 +121,14 @@ def policy_forward(
     head = base.get_output_embeddings()
     logp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk_size):
-        logits = head(h[start : start + chunk_size]).float() / temperature  # (n, V) fp32 for a stable softmax
+        logits = head(h[start : start + chunk_size]).float()  # (n, V) fp32 for a stable softmax
+        if temperature != 1.0:
+            logits = logits / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp_parts.append(logp_all.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
         if with_entropy:
-            ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+            lp = logp_all if entropy_grad else logp_all.detach()
+            ent_parts.append(-(lp.exp() * lp).sum(-1))
 
     def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)

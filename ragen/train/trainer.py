@@ -36,6 +36,7 @@ from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_met
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward
+from ragen.train.optimizer import adamw
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
@@ -94,7 +95,7 @@ class StarPOTrainer:
                 shard_layers(self.ref_model, self.device)
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor()
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay
         )
         warmup = config.optim.warmup_steps
@@ -362,8 +363,9 @@ class StarPOTrainer:
             with autocast(self.config.trainer.precision, self.device.type), torch.set_grad_enabled(not zero_gradient):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
-                    temperature=self.config.rollout.temperature, with_entropy=True, value_head=self.value_head,
-                    prompt_lengths=self.prompt_lengths(micro),
+                    temperature=self.config.rollout.temperature, with_entropy=True,
+                    entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
+                    value_head=self.value_head, prompt_lengths=self.prompt_lengths(micro),
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(
@@ -371,7 +373,7 @@ class StarPOTrainer:
                 clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c, loss_agg_mode=alg.loss_agg_mode,
             )
             entropy = entropy_loss(out.entropy, micro.response_mask, alg.loss_agg_mode)
-            loss = pg_loss - alg.entropy_coeff * entropy
+            loss = pg_loss - alg.entropy_coeff * entropy if alg.entropy_coeff else pg_loss
             step_metrics["actor/entropy"] = entropy.item()
             if alg.use_kl_loss:
                 kl = aggregate_loss(kl_penalty(out.logprobs, tgt.ref_logprobs, alg.kl_type), micro.response_mask, alg.loss_agg_mode)

@@ -1,0 +1,33 @@
+"""The optimizer RL and SFT runs step: AdamW (decoupled weight decay, Loshchilov & Hutter 2019).
+
+``fused=True`` runs the whole update -- ``m ← β₁m + (1-β₁)g``, ``v ← β₂v + (1-β₂)g²``,
+``θ ← θ - lr·(m̂ / (√v̂ + ε) + λθ)`` -- as one kernel over each parameter instead of a dozen
+elementwise passes: 0.09 s instead of 0.38-0.45 s per step for SmolLM2-135M's 134.5 M parameters
+on this 2-core CPU (``docs/performance.md``). Its results differ from the for-loop implementation
+by rounding only (4.5e-8 after three steps in that measurement). Fused kernels take plain
+tensors on the CPU or a GPU; sharded (FSDP ``DTensor``) parameters keep torch's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+#: Param-group keys that say how this process runs the update, not what the run's state is:
+#: a checkpoint's values for them are not restored (a fused run may resume unfused, e.g. under FSDP).
+IMPLEMENTATION_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def can_fuse(params: list[torch.Tensor]) -> bool:
+    """True if torch's fused AdamW takes every parameter: plain floating tensors on the CPU or CUDA."""
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
+    )
+
+
+def adamw(params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``params``, fused where :func:`can_fuse` allows."""
+    params = list(params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=can_fuse(params) or None)

@@ -1,0 +1,106 @@
+"""Update-side speed levers give the plain path's numbers (issue 7's rule: speed never changes results).
+
+* the entropy metric without an autograd graph (``entropy_grad=False``, used when ``entropy_coeff == 0``);
+* fused AdamW against torch's for-loop AdamW, and checkpoints that do not carry the fused flag.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragen.train.checkpoint import _optimizer_state, restore_optimizer
+from ragen.train.logprobs import policy_forward
+from ragen.train.optimizer import adamw, can_fuse
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (3, 12), generator=g)  # (B, L)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    response = torch.zeros(3, 11)  # (B, T = L - 1)
+    response[:, 6:] = 1
+    return ids, mask, response
+
+
+def grads_of(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_entropy_as_a_metric_has_no_graph_and_changes_nothing(tiny):
+    model, _ = tiny
+    ids, mask, response = batch(model.config.vocab_size)
+    with_graph = policy_forward(model, ids, mask, response, with_entropy=True, entropy_grad=True)
+    metric = policy_forward(model, ids, mask, response, with_entropy=True, entropy_grad=False)
+    assert with_graph.entropy.requires_grad and not metric.entropy.requires_grad
+    torch.testing.assert_close(metric.entropy, with_graph.entropy.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(metric.logprobs.detach(), with_graph.logprobs.detach(), rtol=0, atol=0)
+    assert (metric.entropy[response.bool()] > 0).all()
+    # the loss the trainer builds with entropy_coeff = 0: same gradients either way
+    a = grads_of(model, -(with_graph.logprobs * response).sum() - 0.0 * with_graph.entropy.sum())
+    b = grads_of(model, -(metric.logprobs * response).sum())
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_temperature_one_skips_the_division_with_the_same_logprobs(tiny):
+    model, _ = tiny
+    ids, mask, response = batch(model.config.vocab_size)
+    with torch.no_grad():
+        at_one = policy_forward(model, ids, mask, response, temperature=1.0).logprobs
+        near_one = policy_forward(model, ids, mask, response, temperature=1.0 + 1e-7).logprobs  # divides
+        hot = policy_forward(model, ids, mask, response, temperature=2.0).logprobs
+    torch.testing.assert_close(at_one, near_one, rtol=0, atol=1e-5)
+    assert not torch.allclose(at_one, hot)  # the division is applied when it matters
+
+
+def params_like(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).requires_grad_() for shape in [(64, 32), (32,), (7, 5, 3)]]
+
+
+def run_steps(optimizer, params, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+
+
+def test_fused_adamw_matches_the_for_loop_implementation():
+    fused_params, loop_params = params_like(0), params_like(0)
+    fused = adamw(fused_params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    loop = torch.optim.AdamW(loop_params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+    assert can_fuse(fused_params) and fused.param_groups[0]["fused"]
+    run_steps(fused, fused_params, 5)
+    run_steps(loop, loop_params, 5)
+    moved = [(a - b).abs().max().item() for a, b in zip(fused_params, params_like(0))]
+    assert min(moved) > 1e-3  # the steps did something
+    for a, b in zip(fused_params, loop_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(fused.state.values(), loop.state.values()):
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_a_checkpoint_restores_moments_but_not_the_fused_flag():
+    params = params_like(0)
+    fused = adamw(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    run_steps(fused, params, 3)
+    tensors, groups = _optimizer_state(fused, dict(zip("abc", params)))
+    assert groups["param_groups"][0]["fused"] is True
+    fresh = params_like(0)
+    unfused = torch.optim.AdamW(fresh, lr=1.0, betas=(0.5, 0.5), weight_decay=0.0, foreach=False)
+    restore_optimizer(unfused, dict(zip("abc", fresh)), tensors, groups)
+    group = unfused.param_groups[0]
+    assert not group["fused"] and group["foreach"] is False  # how this process steps stays its own
+    assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (1e-2, (0.9, 0.99), 0.1)  # the run's settings
+    for old, new in zip(params, fresh):
+        torch.testing.assert_close(unfused.state[new]["exp_avg"], fused.state[old]["exp_avg"], rtol=0, atol=0)
+
+
+def test_sharded_parameters_are_not_fused():
+    assert not can_fuse([])
+    assert not can_fuse([torch.zeros(3, dtype=torch.long)])
