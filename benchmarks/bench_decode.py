@@ -1,24 +1,28 @@
-"""Decode levers side by side: the LM head as ``W @ hᵀ`` and a KV cache that grows in place (issue 7).
+"""Decode levers side by side: linears as ``(W @ hᵀ)ᵀ`` and a KV cache that grows in place (issue 7).
 
-    .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~6 min on a quiet machine
-    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections head steps --rounds 3
+    .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~8 min on a quiet machine
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
 
-``head``
-    The LM head's GEMM alone at generation row counts (``--batches``) and at the update's
-    chunk sizes (``--update-rows``, forward + backward of ``log_softmax``/``gather``, with and
-    without a weight gradient): ``F.linear(h, W)`` vs ``(W @ hᵀ)ᵀ``.
+``gemm``
+    Each distinct linear shape of the model (decoder projections and the LM head) alone at
+    generation row counts (``--batches`` and ``--gemm-rows``): ``F.linear(h, W)`` vs
+    ``(W @ hᵀ)ᵀ``, cycling through enough copies of ``W`` (> 256 MiB) that the weights come
+    from memory, as in a decode step of the whole model; then the LM head at the update's
+    chunk sizes (``--update-rows``, forward + backward of ``log_softmax``/``gather``, with
+    and without a weight gradient).
 ``steps``
     Decode steps of the model itself (``model(next_token, cache)`` + argmax) at each batch,
-    from a ``--prompt-len`` prefill, arms ``plain`` / ``head`` / ``grow`` / ``head+grow``,
+    from a ``--prompt-len`` prefill, arms ``plain`` / ``head`` (the LM head alone transposed) /
+    ``gemm`` (every linear) / ``grow`` / ``gemm+grow``,
     ``--step-count`` steps per arm per round; median ms per step, and the median over rounds
     of each round's plain/arm ratio (paired: robust to load that changes between rounds).
 ``generate``
     ``HFBackend.generate`` end to end (shared-prompt prefill, ``B / 4`` distinct prompts,
     exactly ``--new-tokens`` new tokens, temperature 0.8, inverse-CDF sampling), levers off
-    (``fast_head=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
+    (``transposed_gemm=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
     match. Generated tok/s and MFU = 2·N·tokens / decode seconds / fp32 matmul peak (2048³,
     best of before/after the section, as ``bench_roofline.py``).
 
@@ -61,28 +65,34 @@ def peak(torch) -> float:
 
 
 # ---------------------------------------------------------------------------- sections
-def head_section(torch, model, args) -> None:
+def gemm_section(torch, model, args) -> None:
     import torch.nn.functional as F
 
-    from ragen.models.lm_head import output_head, transposed_linear
+    from ragen.models.transposed_gemm import output_head, transposed_linear
 
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear})
+    rows = sorted(set(args.batches) | set(args.gemm_rows))
+    print(f"\n[gemm] F.linear(h, W) vs (W @ h^T)^T per linear shape (out, in), weights cycled from memory, "
+          f"median of {args.rounds} alternated rounds")
+    with torch.no_grad():
+        for shape in shapes:
+            copies = [torch.randn(shape) for _ in range(max(2, -(-(256 << 20) // (shape[0] * shape[1] * 4))))]
+            line = []
+            for M in rows:
+                h = torch.randn(M, shape[1])
+                times = {"linear": [], "W@h^T": []}
+                for r, arm in alternate(list(times), args.rounds + 1):
+                    fn = F.linear if arm == "linear" else transposed_linear
+                    t0 = time.perf_counter()
+                    for w in copies:
+                        fn(h, w)
+                    if r > 0:
+                        times[arm].append((time.perf_counter() - t0) / len(copies))
+                a, b = med_ms(times["linear"]), med_ms(times["W@h^T"])
+                line.append(f"{M} rows {a:.3f} -> {b:.3f} ms ({a / b:.2f}x)")
+            print(f"  {shape}: " + ", ".join(line), flush=True)
     W = output_head(model).weight.detach()
     V, H = W.shape
-    print(f"\n[head] LM head {V} x {H}: F.linear(h, W) vs (W @ h^T)^T, median of {args.rounds} alternated rounds x 5 calls")
-    with torch.no_grad():
-        for M in args.batches:
-            h = torch.randn(M, H)
-            times = {"linear": [], "W@h^T": []}
-            for r, arm in alternate(list(times), args.rounds + 1):
-                fn = (lambda: F.linear(h, W)) if arm == "linear" else (lambda: transposed_linear(h, W))
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    fn()
-                    if r > 0:
-                        times[arm].append(time.perf_counter() - t0)
-            a, b = med_ms(times["linear"]), med_ms(times["W@h^T"])
-            print(f"  generation, {M:4d} rows: linear {a:6.1f} ms ({2 * M * V * H / a / 1e6:5.1f} GFLOP/s), "
-                  f"W@h^T {b:6.1f} ms ({2 * M * V * H / b / 1e6:5.1f} GFLOP/s): {a / b:.2f}x", flush=True)
     for M in args.update_rows:
         for weight_grad in (True, False):
             times = {"linear": [], "W@h^T": []}
@@ -105,9 +115,10 @@ def steps_section(torch, model, tokenizer, args) -> None:
 
     from ragen.models.cache_names import output_cache
     from ragen.models.growing_cache import make_growing
-    from ragen.models.lm_head import transposed_lm_head
+    from ragen.models.transposed_gemm import output_head, transposed_linears
 
-    arms = ["plain", "head", "grow", "head+grow"]
+    # head: only the LM head in the transposed layout (the lever before every linear was); gemm: every linear
+    arms = ["plain", "head", "gemm", "grow", "gemm+grow"]
     text = "You are playing a bandit game. Two arms: Apple and Stuntman. Each arm pays a random reward. Think. " * 8
     prompt = tokenizer(text)["input_ids"][: args.prompt_len]
     n = args.step_count
@@ -126,7 +137,7 @@ def steps_section(torch, model, tokenizer, args) -> None:
             if "grow" in arm:
                 make_growing(cache, len(prompt) + n)
             token = torch.full((B, 1), 42)
-            with torch.no_grad(), transposed_lm_head(model, "head" in arm):
+            with torch.no_grad(), transposed_linears(output_head(model) if arm == "head" else model, arm != "plain" and arm != "grow"):
                 for s in range(n):
                     L = len(prompt) + s
                     t0 = time.perf_counter()
@@ -148,7 +159,7 @@ def generate_section(torch, model, tokenizer, args) -> None:
     from ragen.models.backend import HFBackend, SamplingParams
 
     n_params = sum(p.numel() for p in model.parameters())
-    arms = {"levers off": dict(fast_head=False, grow_cache=False), "levers on": dict(fast_head=True, grow_cache=True)}
+    arms = {"levers off": dict(transposed_gemm=False, grow_cache=False), "levers on": dict(transposed_gemm=True, grow_cache=True)}
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8)
     model.generation_config.min_new_tokens = args.new_tokens  # every row writes exactly new_tokens
     print(f"\n[generate] HFBackend.generate, groups of 4 rows per prompt, exactly {args.new_tokens} new tokens, "
@@ -188,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sections", nargs="+", default=["head", "steps", "generate"], choices=["head", "steps", "generate"])
-    ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "generate"], choices=["gemm", "steps", "generate"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
     ap.add_argument("--update-rows", type=int, nargs="*", default=[128, 512, 1024])
     ap.add_argument("--prompt-len", type=int, default=110)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -217,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     whole = Contention()
     for name in args.sections:
         section = Contention()
-        if name == "head":
-            head_section(torch, model, args)
+        if name == "gemm":
+            gemm_section(torch, model, args)
         elif name == "steps":
             steps_section(torch, model, tokenizer, args)
         else:

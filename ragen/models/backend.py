@@ -20,10 +20,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.device import model_device
 from ragen.models.growing_cache import GrowingLayer, make_growing
-from ragen.models.lm_head import transposed_lm_head
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
+from ragen.models.transposed_gemm import transposed_linears
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
@@ -84,9 +84,10 @@ class HFBackend:
     :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
     ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``.
 
-    ``fast_head=True`` (default) computes the LM head's logits as ``W @ hᵀ`` while generating
-    when the head is a plain fp32 ``nn.Linear`` on the CPU (:mod:`ragen.models.lm_head`: same
-    logits, a faster GEMM layout); the model is restored after each call.
+    ``transposed_gemm=True`` (default) computes the plain fp32 CPU ``nn.Linear`` layers (decoder
+    projections and LM head) as ``(W @ hᵀ)ᵀ`` while generating, for calls of up to 256 rows
+    (:mod:`ragen.models.transposed_gemm`: same outputs, a faster GEMM layout at decoding's row
+    counts); the model is restored after each call.
 
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
@@ -96,11 +97,11 @@ class HFBackend:
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf", fast_head: bool = True, grow_cache: bool = True):
+                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
-        self.fast_head = fast_head
+        self.transposed_gemm = transposed_gemm
         self.grow_cache = grow_cache
         self.model = model
         self.tokenizer = tokenizer
@@ -155,7 +156,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type), transposed_lm_head(self.model, self.fast_head):
+            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm):
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):

@@ -1,4 +1,4 @@
-"""Decode levers: the LM head as ``W @ hᵀ`` and a KV cache that grows in place give the plain path's tokens and logits."""
+"""Decode levers: linears as ``(W @ hᵀ)ᵀ`` and a KV cache that grows in place give the plain path's tokens and logits."""
 
 import pytest
 import torch
@@ -6,12 +6,12 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-import ragen.models.lm_head as lm_head
+import ragen.models.transposed_gemm as transposed_gemm
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import output_cache
 from ragen.models.growing_cache import GrowingLayer, make_growing
-from ragen.models.lm_head import fast_head_applies, output_head, transposed_linear, transposed_lm_head
+from ragen.models.transposed_gemm import output_head, transposable, transposed_linear, transposed_linears
 from ragen.models.lora import apply_lora
 from ragen.models.tiny import tiny_config
 
@@ -27,7 +27,7 @@ def prompts(tokenizer):
     return [ids[0]] * 3 + [ids[1]] * 2 + [ids[2]] + [ids[0]]  # groups sharing prompts, different lengths
 
 
-# ---------------------------------------------------------------------------- LM head
+# ---------------------------------------------------------------------------- transposed linears
 @pytest.mark.parametrize("bias", [False, True])
 def test_transposed_linear_is_linear_with_the_same_gradients(bias):
     torch.manual_seed(0)
@@ -52,6 +52,10 @@ def capture_head(model):
     return seen, handle
 
 
+def linear_count(model) -> int:
+    return sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+
+
 def count_calls(monkeypatch, module, name):
     calls = []
     real = getattr(module, name)
@@ -66,8 +70,8 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
     params = SamplingParams(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
     runs = {}
     for levers in (False, True):
-        backend = HFBackend(model, tokenizer, precision="fp32", fast_head=levers, grow_cache=levers)
-        head_calls = count_calls(monkeypatch, lm_head, "transposed_linear")
+        backend = HFBackend(model, tokenizer, precision="fp32", transposed_gemm=levers, grow_cache=levers)
+        gemm_calls = count_calls(monkeypatch, transposed_gemm, "transposed_linear")
         grow_updates = count_calls(monkeypatch, GrowingLayer, "update")
         seen, handle = capture_head(model)
         try:
@@ -77,9 +81,10 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
             handle.remove()
         runs[levers] = gens, seen
         # the levers really ran (or really did not): a silent fallback fails here
-        assert bool(head_calls) == levers and len(head_calls) == (len(seen) if levers else 0)
+        # each forward calls every linear once; all calls here are short enough for the lever
+        assert len(gemm_calls) == (len(seen) * linear_count(model) if levers else 0)
         assert bool(grow_updates) == levers
-        assert "forward" not in vars(output_head(model))  # the head is restored after generate
+        assert not any("forward" in vars(m) for m in model.modules())  # every linear is restored after generate
     (plain, plain_logits), (fast, fast_logits) = runs[False], runs[True]
     assert [g.token_ids for g in fast] == [g.token_ids for g in plain]
     assert [g.finish_reason for g in fast] == [g.finish_reason for g in plain]
@@ -89,21 +94,38 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
         torch.testing.assert_close(torch.log_softmax(a, -1), torch.log_softmax(b, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_head_is_switched_only_inside_the_block_and_restored_on_error(tiny):
+def test_linears_are_switched_only_inside_the_block_and_restored_on_error(tiny):
     model, _ = tiny
-    head = output_head(model)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert output_head(model) in linears and len(linears) > 7  # the head and each layer's projections
     ids = torch.tensor([[1, 5, 9, 200, 17]])
     with torch.no_grad():
         ref = model(ids).logits
-        with transposed_lm_head(model) as switched:
-            assert switched and "forward" in vars(head)
+        with transposed_linears(model) as switched:
+            assert switched == linears and all("forward" in vars(m) for m in linears)
             out = model(ids).logits
-        assert "forward" not in vars(head)
+        assert not any("forward" in vars(m) for m in linears)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         with pytest.raises(RuntimeError, match="boom"):
-            with transposed_lm_head(model):
+            with transposed_linears(model):
                 raise RuntimeError("boom")
-        assert "forward" not in vars(head)
+        assert not any("forward" in vars(m) for m in linears)
+
+
+def test_calls_with_more_rows_than_max_rows_run_the_plain_linear(tiny, monkeypatch):
+    model, _ = tiny
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3, 8]])  # 7 rows per linear call
+    monkeypatch.setattr(transposed_gemm, "MAX_ROWS", 6)
+    calls = count_calls(monkeypatch, transposed_gemm, "transposed_linear")
+    with torch.no_grad():
+        ref = model(ids).logits
+        with transposed_linears(model) as switched:
+            assert switched
+            out = model(ids).logits
+            assert not calls  # 7 rows > MAX_ROWS: F.linear
+            model(ids[:, :6])
+            assert len(calls) == linear_count(model)  # 6 rows: the transposed layout
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_untied_head_with_bias_and_lora_models_use_the_lever(tiny):
@@ -116,29 +138,34 @@ def test_untied_head_with_bias_and_lora_models_use_the_lever(tiny):
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
         ref = model(ids).logits
-        with transposed_lm_head(model) as switched:
+        with transposed_linears(model) as switched:
             out = model(ids).logits
-    assert switched
+    assert model.lm_head in switched
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    peft_model = apply_lora(model, rank=4, alpha=8)  # adapters on the decoder's linears: the head stays plain
-    with torch.no_grad(), transposed_lm_head(peft_model) as switched:
-        assert switched
+    before = linear_count(model)
+    peft_model = apply_lora(model, rank=4, alpha=8)  # adapters on the decoder's linears: base layers, A and B are plain
+    with torch.no_grad(), transposed_linears(peft_model) as switched:
+        assert model.lm_head in switched and len(switched) == linear_count(peft_model) > before
+        assert not any(type(m).__module__.startswith("peft") for m in switched)
         torch.testing.assert_close(peft_model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
-    assert "forward" not in vars(model.lm_head)
+    assert not any("forward" in vars(m) for m in peft_model.modules())
 
 
-def test_heads_that_are_not_plain_fp32_linears_keep_their_forward(tiny):
+def test_linears_that_are_not_plain_fp32_keep_their_forward(tiny):
     model, _ = tiny
     torch.manual_seed(2)
     lora_on_head = apply_lora(load_model("tiny")[0], rank=4, alpha=8, target_modules=["lm_head"])
-    assert not fast_head_applies(output_head(lora_on_head))
-    with transposed_lm_head(lora_on_head) as switched:
+    assert not transposable(output_head(lora_on_head))
+    with transposed_linears(lora_on_head) as switched:
+        assert output_head(lora_on_head) not in switched
+        assert output_head(lora_on_head).base_layer in switched  # the wrapper's plain linear is
+    with torch.autocast("cpu", dtype=torch.bfloat16), transposed_linears(model) as switched:
         assert not switched
-    with torch.autocast("cpu", dtype=torch.bfloat16), transposed_lm_head(model) as switched:
+    with transposed_linears(model, enabled=False) as switched:
         assert not switched
-    with transposed_lm_head(model, enabled=False) as switched:
-        assert not switched
-    assert "forward" not in vars(output_head(model))
+    bf16 = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    assert not transposable(bf16)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 # ---------------------------------------------------------------------------- growing KV cache

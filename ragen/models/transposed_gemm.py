@@ -1,0 +1,84 @@
+"""Linear layers as ``(W @ hᵀ)ᵀ`` while decoding on the CPU in fp32: the same outputs, a faster GEMM layout.
+
+``nn.Linear`` computes ``h @ Wᵀ``. With few rows -- decoding, where ``h`` holds one token per
+sequence -- this CPU's fp32 GEMM (MKL, 2 threads) is faster when asked for ``(W @ hᵀ)ᵀ``:
+the same products and sums in another BLAS layout. Measured with weights that do not stay in
+cache, as in a 30-layer decode step (``benchmarks/bench_decode.py``, ``docs/performance.md``):
+1.1-1.35× for SmolLM2's decoder shapes (576→576, 576→192, 576→1536, 1536→576) at 16-64 rows,
+1.02-1.12× at 128-256 rows, 0.9-1.0× at 1 024 rows; 1.4-1.9× for the 49 152 × 576 LM head.
+So the layout is used only up to :data:`MAX_ROWS` rows.
+
+Used only where it was measured: plain ``torch.nn.Linear`` modules (exactly that class:
+LoRA wrappers, quantised or hooked-by-replacement linears keep their own ``forward``; a LoRA
+wrapper's plain base layer is switched), fp32 weights on the CPU, no autocast. The model is
+never changed permanently: :func:`transposed_linears` swaps the ``forward`` of each such module
+for the duration of a ``with`` block (generation) and restores them even on error, so
+training, ``save_pretrained`` and peft see the original modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: Most rows (tokens) a call may have to take the transposed layout; larger calls run ``F.linear``.
+MAX_ROWS = 256
+
+
+def output_head(model) -> torch.nn.Module | None:
+    """The module that maps hidden states to logits (through a peft wrapper), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get = getattr(base, "get_output_embeddings", None)
+    return get() if get is not None else None
+
+
+def transposable(module) -> bool:
+    """True if ``module`` is a plain fp32 ``nn.Linear`` on the CPU, called outside autocast, with its class ``forward``."""
+    return (
+        type(module) is torch.nn.Linear
+        and "forward" not in vars(module)  # accelerate-style hooks replace the instance's forward: leave those alone
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def transposed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` computed as ``(weight @ hiddenᵀ)ᵀ``; contiguous ``(..., out)`` result.
+
+    Differentiable (it is ``torch.mm`` and a transpose). ``hidden`` is ``(..., in)``.
+    """
+    x = hidden.reshape(-1, hidden.shape[-1])  # (M, in)
+    out = torch.mm(weight, x.t()).t().contiguous()  # (M, out): callers index row-wise, so row-major
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def transposed_linears(model, enabled: bool = True):
+    """Within the block, every :func:`transposable` linear of ``model`` runs :func:`transposed_linear`.
+
+    Yields the switched modules (empty if none qualified or ``enabled`` is False). A call with
+    more than :data:`MAX_ROWS` rows, non-fp32 input or autocast on runs ``nn.Linear.forward``.
+    Forward hooks still run (``nn.Module.__call__`` calls them around ``forward``). The
+    instance attributes are removed on exit, so the class's ``forward`` is back.
+    """
+    switched = [m for m in model.modules() if transposable(m)] if enabled else []
+
+    def forward_of(linear: torch.nn.Linear):
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or hidden.numel() > MAX_ROWS * hidden.shape[-1]:
+                return torch.nn.Linear.forward(linear, hidden)
+            return transposed_linear(hidden, linear.weight, linear.bias)
+
+        return forward
+
+    for linear in switched:
+        linear.forward = forward_of(linear)
+    try:
+        yield switched
+    finally:
+        for linear in switched:
+            del linear.forward
