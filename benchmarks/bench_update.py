@@ -1,0 +1,111 @@
+"""The update's levers side by side: fused AdamW and the entropy metric off the autograd graph (issue 7).
+
+    .venv/bin/python benchmarks/bench_update.py                 # smollm2-135m, bench_vs_trl's shape, ~4 min
+    .venv/bin/python benchmarks/bench_update.py --model tiny --rounds 1
+
+One real rollout at ``bench_vs_trl.py``'s shape (the ``bandit`` preset, 2 prompts x 8
+completions, exactly 64 new tokens, one micro-batch, ``ppo_epochs=1``) gives the batch; its
+rewards are then set to ``i % 3`` so that advantages are non-zero and every update runs a
+backward pass. The same trainer then updates on that batch with two arms, alternated
+(A B B A ...) for ``--rounds`` rounds after one warm-up round:
+
+``plain``
+    What the update did before the levers: torch's for-loop AdamW (``foreach=False``, the CPU
+    default) and the entropy metric inside the autograd graph (as ``loss - 0 * entropy`` had it:
+    the backward pass then runs through the entropy's ``(n, V)`` exp/mul/sum).
+``levers``
+    As shipped: fused AdamW (:mod:`ragen.train.optimizer`) and the entropy computed from
+    detached log-probs when ``entropy_coeff`` is 0.
+
+Each arm keeps its own optimizer (moments), so both take the same kind of step. Printed: the
+command, machine, per-round seconds and the median ratio of same-round pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_roofline import Contention  # noqa: E402
+from machine import machine  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import ragen.train.trainer as trainer_module
+    from ragen.config import load_config
+    from ragen.models import SamplingParams
+    from ragen.train.logprobs import PolicyOutput
+
+    torch.set_num_threads(args.threads)
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"machine: {machine()}; torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    config = load_config("bandit", [
+        f"model={args.model}", "trainer.device=cpu", "rollout.env_groups=2", "rollout.group_size=8",
+        "rollout.max_new_tokens=64", "optim.warmup_steps=0", "algorithm.ppo_epochs=1", "algorithm.mini_batch_size=0",
+        "algorithm.micro_batch_size=16", "trainer.precision=fp32", f"trainer.output_dir=/tmp/bench_update-{os.getpid()}",
+        "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.plot=false", "trainer.save_final=false",
+        "trainer.logger=[jsonl]",
+    ])
+    trainer = trainer_module.StarPOTrainer(config)
+    r = config.rollout
+    trainer.train_rollout.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, stop=())
+    trainer.model.generation_config.min_new_tokens = r.max_new_tokens
+    trajectories = trainer.rollout(1)
+    for i, t in enumerate(trajectories):
+        t.turns[-1].env_reward = float(i % 3)  # non-zero advantages: every update runs its backward pass
+    tokens = sum(len(t.input_ids) for t in trajectories)
+    print(f"batch: {len(trajectories)} episodes, {tokens} tokens, {sum(t.response_length for t in trajectories)} response tokens")
+
+    shipped_forward = trainer_module.policy_forward
+
+    def entropy_in_graph(*a, **kw):  # the old cost: the entropy's graph hangs off the loss
+        kw["entropy_grad"] = True
+        out = shipped_forward(*a, **kw)
+        return PolicyOutput(logprobs=out.logprobs + 0.0 * out.entropy, entropy=out.entropy, values=out.values)
+
+    o = config.optim
+    optimizers = {
+        "plain": torch.optim.AdamW(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+                                   weight_decay=o.weight_decay, foreach=False),
+        "levers": trainer.optimizer,
+    }
+    assert optimizers["levers"].param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
+    times: dict[str, list[float]] = {arm: [] for arm in optimizers}
+    contention = Contention()
+    for rnd in range(args.rounds + 1):
+        for arm in (list(optimizers) if rnd % 2 == 0 else list(optimizers)[::-1]):
+            trainer.optimizer = optimizers[arm]
+            trainer_module.policy_forward = entropy_in_graph if arm == "plain" else shipped_forward
+            start = time.perf_counter()
+            metrics = trainer.update(trajectories)
+            took = time.perf_counter() - start
+            assert metrics.get("actor/backward_skipped", 0.0) == 0.0
+            if rnd:
+                times[arm].append(took)
+            print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s", flush=True)
+    trainer_module.policy_forward = shipped_forward
+    plain, levers = statistics.median(times["plain"]), statistics.median(times["levers"])
+    paired = statistics.median(a / b for a, b in zip(times["plain"], times["levers"]))
+    print(f"update, median of {args.rounds} rounds: plain {plain:.2f} s, levers {levers:.2f} s: {plain / levers:.2f}x "
+          f"(median of same-round ratios {paired:.2f}x); {contention.report()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
