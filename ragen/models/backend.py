@@ -86,8 +86,8 @@ class HFBackend:
 
     ``transposed_gemm=True`` (default) computes the plain fp32 CPU ``nn.Linear`` layers (decoder
     projections and LM head) as ``(W @ hᵀ)ᵀ`` while generating, for calls of up to 256 rows
-    (:mod:`ragen.models.transposed_gemm`: same outputs, a faster GEMM layout at decoding's row
-    counts); the model is restored after each call.
+    (:mod:`ragen.models.transposed_gemm`: the same outputs up to float rounding, a faster GEMM
+    layout at decoding's row counts); the model is restored after each call.
 
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
@@ -116,9 +116,10 @@ class HFBackend:
 
     @classmethod
     def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
-        """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``rollout.reuse_kv``)."""
-        return cls(model, tokenizer, precision=config.trainer.precision,
-                   batch_size=config.rollout.batch_size, reuse_kv=config.rollout.reuse_kv)
+        """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``, ``fast_decode``)."""
+        r = config.rollout
+        return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -1,16 +1,20 @@
-"""Linear layers as ``(W @ hᵀ)ᵀ`` while decoding on the CPU in fp32: the same outputs, a faster GEMM layout.
+"""Linear layers as ``(W @ hᵀ)ᵀ`` while decoding on the CPU in fp32: the same outputs up to rounding, a faster GEMM layout.
 
 ``nn.Linear`` computes ``h @ Wᵀ``. With few rows -- decoding, where ``h`` holds one token per
 sequence -- this CPU's fp32 GEMM (MKL, 2 threads) is faster when asked for ``(W @ hᵀ)ᵀ``:
-the same products and sums in another BLAS layout. Measured with weights that do not stay in
+the same products and sums in another BLAS layout, so the outputs equal ``F.linear``'s up to
+float rounding (the BLAS may sum in another order: ~1e-6 relative; a bias is added in the same
+``addmm``, as ``F.linear`` does). Greedy or sampled tokens can therefore differ from the plain
+path's only where two logits tie to within that rounding. Measured with weights that do not stay in
 cache, as in a 30-layer decode step (``benchmarks/bench_decode.py``, ``docs/performance.md``):
 1.1-1.35× for SmolLM2's decoder shapes (576→576, 576→192, 576→1536, 1536→576) at 16-64 rows,
 1.02-1.12× at 128-256 rows, 0.9-1.0× at 1 024 rows; 1.4-1.9× for the 49 152 × 576 LM head.
 So the layout is used only up to :data:`MAX_ROWS` rows.
 
-Used only where it was measured: plain ``torch.nn.Linear`` modules (exactly that class:
-LoRA wrappers, quantised or hooked-by-replacement linears keep their own ``forward``; a LoRA
-wrapper's plain base layer is switched), fp32 weights on the CPU, no autocast. The model is
+Used only for plain ``torch.nn.Linear`` modules (exactly that class, with a plain-tensor weight:
+LoRA wrappers, quantised or hooked-by-replacement linears keep their own ``forward``; the plain
+base layer and A/B matrices inside a LoRA wrapper are switched, the small A/B shapes unmeasured),
+fp32 weights on the CPU, no autocast. The model is
 never changed permanently: :func:`transposed_linears` swaps the ``forward`` of each such module
 for the duration of a ``with`` block (generation) and restores them even on error, so
 training, ``save_pretrained`` and peft see the original modules.
@@ -40,6 +44,7 @@ def transposable(module) -> bool:
         and "forward" not in vars(module)  # accelerate-style hooks replace the instance's forward: leave those alone
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
+        and type(module.weight.data) is torch.Tensor  # not a tensor subclass (quantised, sharded, ...)
         and not torch.is_autocast_enabled("cpu")
     )
 
@@ -50,10 +55,8 @@ def transposed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Differentiable (it is ``torch.mm`` and a transpose). ``hidden`` is ``(..., in)``.
     """
     x = hidden.reshape(-1, hidden.shape[-1])  # (M, in)
-    out = torch.mm(weight, x.t()).t().contiguous()  # (M, out): callers index row-wise, so row-major
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*hidden.shape[:-1], weight.shape[0])
+    out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # (out, M)
+    return out.t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])  # callers index row-wise: row-major
 
 
 @contextlib.contextmanager

@@ -44,6 +44,8 @@ class SFTOptimConfig:
     #: "cosine" (decay to ``min_lr_ratio * lr`` at the last step) or "constant" (after warm-up).
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
+    #: torch's fused AdamW where every trainable parameter allows it (see ``optim.fused`` of RL runs).
+    fused: bool = True
 
 
 @dataclass

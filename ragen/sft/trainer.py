@@ -73,7 +73,8 @@ class SFTTrainer:
         per_step = min(t.batch_size, len(self.data.train))
         self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
         self.optimizer = adamw(self.trainable_parameters(), lr=config.optim.lr,
-                               betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay)
+                               betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay,
+                               fused=config.optim.fused)
         o = config.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.warmup_steps, self.total_steps, o.schedule, o.min_lr_ratio))

@@ -96,7 +96,8 @@ class StarPOTrainer:
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor()
         self.optimizer = adamw(
-            self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay
+            self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas),
+            weight_decay=config.optim.weight_decay, fused=config.optim.fused,
         )
         warmup = config.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

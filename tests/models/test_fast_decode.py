@@ -45,6 +45,27 @@ def test_transposed_linear_is_linear_with_the_same_gradients(bias):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_linear_at_smollm2_sizes_matches_linear_up_to_rounding(bias):
+    torch.manual_seed(0)
+    for out_features, in_features in [(576, 576), (192, 576), (1536, 576), (576, 1536)]:
+        w = torch.randn(out_features, in_features) / in_features**0.5
+        b = torch.randn(out_features) if bias else None
+        for rows in (1, 2, 7, 11, 16, 64, 256):
+            h = torch.randn(rows, in_features)
+            torch.testing.assert_close(transposed_linear(h, w, b), F.linear(h, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_decode_false_turns_both_levers_off(tiny, tmp_path):
+    from ragen.config import load_config
+
+    model, tokenizer = tiny
+    for on in (True, False):
+        config = load_config("bandit", ["model=tiny", f"rollout.fast_decode={str(on).lower()}", f"trainer.output_dir={tmp_path}"])
+        backend = HFBackend.from_config(model, tokenizer, config)
+        assert backend.transposed_gemm is on and backend.grow_cache is on
+
+
 def capture_head(model):
     """Every LM-head output during a call (forward hooks run whichever forward the head uses)."""
     seen = []

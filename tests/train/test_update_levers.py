@@ -46,9 +46,23 @@ def test_entropy_as_a_metric_has_no_graph_and_changes_nothing(tiny):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
+def graph_nodes(tensor: torch.Tensor) -> set[str]:
+    seen, stack, names = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
 def test_temperature_one_skips_the_division_with_the_same_logprobs(tiny):
     model, _ = tiny
     ids, mask, response = batch(model.config.vocab_size)
+    assert "DivBackward0" not in graph_nodes(policy_forward(model, ids, mask, response, temperature=1.0).logprobs)
+    assert "DivBackward0" in graph_nodes(policy_forward(model, ids, mask, response, temperature=2.0).logprobs)
     with torch.no_grad():
         at_one = policy_forward(model, ids, mask, response, temperature=1.0).logprobs
         near_one = policy_forward(model, ids, mask, response, temperature=1.0 + 1e-7).logprobs  # divides
@@ -101,6 +115,14 @@ def test_a_checkpoint_restores_moments_but_not_the_fused_flag():
         torch.testing.assert_close(unfused.state[new]["exp_avg"], fused.state[old]["exp_avg"], rtol=0, atol=0)
 
 
-def test_sharded_parameters_are_not_fused():
-    assert not can_fuse([])
-    assert not can_fuse([torch.zeros(3, dtype=torch.long)])
+def test_only_plain_floating_tensors_are_fused_and_fused_false_is_torchs_default(monkeypatch):
+    import ragen.train.optimizer as optimizer
+
+    assert not can_fuse([]) and not can_fuse([torch.zeros(3, dtype=torch.long)])
+    params = params_like(0)
+    assert can_fuse(params)
+    assert adamw(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0, fused=False).param_groups[0]["fused"] is None
+    monkeypatch.setattr(optimizer, "DTensor", torch.nn.Parameter)  # stand-in: these now count as sharded
+    sharded = [torch.nn.Parameter(torch.zeros(3))] + params
+    assert not can_fuse(sharded)
+    assert adamw(sharded, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0).param_groups[0]["fused"] is None
