@@ -137,7 +137,7 @@ def steps_section(torch, model, tokenizer, args) -> None:
             if "grow" in arm:
                 make_growing(cache, len(prompt) + n)
             token = torch.full((B, 1), 42)
-            with torch.no_grad(), transposed_linears(output_head(model) if arm == "head" else model, arm != "plain" and arm != "grow"):
+            with torch.no_grad(), transposed_linears(output_head(model) if arm == "head" else model, arm in ("head", "gemm", "gemm+grow")):
                 for s in range(n):
                     L = len(prompt) + s
                     t0 = time.perf_counter()

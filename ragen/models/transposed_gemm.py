@@ -5,11 +5,13 @@ sequence -- this CPU's fp32 GEMM (MKL, 2 threads) is faster when asked for ``(W 
 the same products and sums in another BLAS layout, so the outputs equal ``F.linear``'s up to
 float rounding (the BLAS may sum in another order: ~1e-6 relative; a bias is added in the same
 ``addmm``, as ``F.linear`` does). Greedy or sampled tokens can therefore differ from the plain
-path's only where two logits tie to within that rounding. Measured with weights that do not stay in
-cache, as in a 30-layer decode step (``benchmarks/bench_decode.py``, ``docs/performance.md``):
-1.1-1.35× for SmolLM2's decoder shapes (576→576, 576→192, 576→1536, 1536→576) at 16-64 rows,
-1.02-1.12× at 128-256 rows, 0.9-1.0× at 1 024 rows; 1.4-1.9× for the 49 152 × 576 LM head.
-So the layout is used only up to :data:`MAX_ROWS` rows.
+path's only where two logits tie to within that rounding. Measured (``benchmarks/bench_decode.py``,
+``docs/performance.md``, 2 threads): SmolLM2's decode steps run 1.05-1.22× faster with every
+linear switched at batch 16-64 (the LM head alone: 1.03-1.06×). Each GEMM alone, weights cycled
+from memory, is a mixed picture: 0.86-1.14× for the decoder's shapes at 16-64 rows, 1.17-1.40×
+for the 49 152 × 576 head, and 0.77-0.91× for every shape at 256 rows. :data:`MAX_ROWS` = 256
+came from an earlier throwaway measurement (1.02-1.12× at 128-256 rows); calls of 129-256 rows
+(the prefill of a few prompts) were not measured end to end at this bound.
 
 Used only for plain ``torch.nn.Linear`` modules (exactly that class, with a plain-tensor weight:
 LoRA wrappers, quantised or hooked-by-replacement linears keep their own ``forward``; the plain
