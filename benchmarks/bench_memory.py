@@ -148,6 +148,7 @@ def run_child(args) -> dict:
 
     from ragen.config import load_config
     from ragen.models import load_model
+    from ragen.models.lora import base_model
     from ragen.train import logprobs
     from ragen.train.trainer import StarPOTrainer
 
@@ -170,7 +171,7 @@ def run_child(args) -> dict:
         trainer = StarPOTrainer(config)
         n = sum(p.numel() for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.trainable_parameters())
-        head = logprobs._base_model(trainer.model).get_output_embeddings()
+        head = base_model(trainer.model).get_output_embeddings()
         head.register_forward_hook(rec.lm_head_hook)
         rec.end("build StarPOTrainer (load model, LoRA, AdamW, backend)")
         touch(trainer.model)

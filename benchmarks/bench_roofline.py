@@ -125,9 +125,9 @@ class Probe:
     """Hooks: decoder passes (tokens computed, real tokens, seconds), LM-head rows and seconds, optimizer seconds."""
 
     def __init__(self, trainer):
-        from ragen.train.logprobs import _base_model
+        from ragen.models.lora import base_model
 
-        base = _base_model(trainer.model)
+        base = base_model(trainer.model)
         self.decoder, self.head = base.get_decoder(), base.get_output_embeddings()
         self.reset()
         self.decoder.register_forward_pre_hook(self._dec_pre, with_kwargs=True)

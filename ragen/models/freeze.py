@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from ragen.models.lora import base_model
+
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder's list of transformer blocks (``model.model.layers`` for Llama-style models)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     layers = getattr(base.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(base).__name__}: cannot find the decoder's layer list (decoder.layers)")
@@ -30,7 +32,7 @@ def train_top_layers(model, n: int) -> list[str]:
     if n <= 0 or n >= len(layers):
         return []
     keep = {id(p) for layer in list(layers)[-n:] for p in layer.parameters()}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     norm = getattr(base.get_decoder(), "norm", None)
     if norm is not None and not hasattr(model, "get_base_model"):  # full fine-tune: the final norm trains too
         keep |= {id(p) for p in norm.parameters()}

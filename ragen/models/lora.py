@@ -17,3 +17,8 @@ def apply_lora(model, rank: int, alpha: float, dropout: float = 0.0, target_modu
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def base_model(model):
+    """The transformers model inside a peft wrapper (``PeftModel.get_base_model()``), or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -28,13 +28,15 @@ import contextlib
 
 import torch
 
+from ragen.models.lora import base_model
+
 #: Most rows (tokens) a call may have to take the transposed layout; larger calls run ``F.linear``.
 MAX_ROWS = 256
 
 
 def output_head(model) -> torch.nn.Module | None:
     """The module that maps hidden states to logits (through a peft wrapper), or None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     get = getattr(base, "get_output_embeddings", None)
     return get() if get is not None else None
 

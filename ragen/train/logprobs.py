@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ragen.models.cache_names import output_cache, with_cache
+from ragen.models.lora import base_model
 
 
 @dataclass
@@ -20,10 +21,6 @@ class PolicyOutput:
     logprobs: torch.Tensor  # (B, T) log π(x_{t+1} | x_{≤t}), zero off the response mask
     entropy: torch.Tensor | None  # (B, T) entropy of π(· | x_{≤t}), zero off the mask
     values: torch.Tensor | None  # (B, T) critic value of the state x_{≤t}, zero off the mask
-
-
-def _base_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -38,7 +35,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     a fraction of the cost when prompts are long and answers short. The index tensors are built
     on the CPU and moved to ``input_ids``' device (the model's).
     """
-    decoder = _base_model(model).get_decoder()
+    decoder = base_model(model).get_decoder()
     if prompt_lengths is None:
         return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     device = input_ids.device
@@ -113,7 +110,7 @@ def policy_forward(
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """
-    base = _base_model(model)
+    base = base_model(model)
     hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
