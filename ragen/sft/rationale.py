@@ -112,16 +112,31 @@ def frozen_lake_rationale(env: Any, plan: list[str], actions: list[str], moves_l
 
 
 def bandit_rationale(env: Any, actions: list[str]) -> str:
-    """Which name sounds risky and which safe, and which arm pays more on average under the env's payoffs."""
+    """Each arm judged in the order listed (risky or safe job), then the verdict from the env's payoffs.
+
+    The judgments come before the choice, so the first generated words describe the first
+    listed name, not the answer (a rationale that opened with the chosen name decided before it
+    reasoned: ``docs/study_bandit_think.md``). "Being a X is a risky job" is the phrasing under
+    which the untrained model's own next-word odds (" risky" vs " safe") rank the training
+    names correctly (``docs/study_bandit_think.md``, "Knowledge probe").
+    """
     c = env.config
     high = env.action_lookup[env.high_action]
-    low = env.action_lookup[3 - env.high_action]
     high_mean, low_mean = c.high_prob * c.high_payoff, c.low_payoff
     better = "risky" if high_mean > low_mean else "safe"
-    return (
-        f"{high} sounds risky: a big payoff, but rarely. {low} sounds safe: a small, sure payoff. "
-        f"The {better} arm pays more on average, so I pull {_moves(actions)}."
+    judged = " ".join(
+        f"Being {_article(name)} {name} is a {'risky' if name == high else 'safe'} job."
+        for name in (env.action_lookup[1], env.action_lookup[2])
     )
+    return (
+        f"{judged} A risky arm pays {high_mean:g} on average, a safe one {low_mean:g}: "
+        f"the {better} arm is better, so I pull {_moves(actions)}."
+    )
+
+
+def _article(word: str) -> str:
+    """'an' before a vowel letter, else 'a' (spelling, not sound: enough for the arm names)."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def generic_rationale(plan: list[str], actions: list[str]) -> str:

@@ -74,6 +74,20 @@ def test_sokoban_rationale_states_the_bfs_plan():
         assert all(a - b == 2 for a, b in zip(lengths, lengths[1:])), lengths
 
 
+def test_bandit_rationale_judges_each_arm_in_listed_order_before_choosing():
+    config = load_config("bandit", ["agent.enable_think=true", "agent.response_prefix=''"])
+    for record in expert_records(config, 16):
+        state = record["messages"][-2]["content"]
+        first, second = state.split("The arms are ")[1].split(". Which arm")[0].split(" and ")
+        think = parse_response(record["messages"][-1]["content"], max_actions=1).think
+        chosen = record["actions"][0][0]
+        risky = lambda name: "risky" if name == chosen else "safe"  # noqa: E731 - the expert pulls the risky arm
+        # The first words describe the first listed arm, whichever is chosen; the verdict comes last.
+        assert think.startswith(f"Being a{'n' if first[0] in 'AEIOU' else ''} {first} is a {risky(first)} job. ")
+        assert f" {second} is a {risky(second)} job. " in think
+        assert think.index(second) < think.index("so I pull") and think.endswith(f"so I pull {chosen}.")
+
+
 def test_slippery_lake_data_is_the_finite_horizon_policy_for_the_moves_left():
     """``ragen sft generate`` gives the expert the episode's budget: each answer is the optimal
     action for the moves left (20 turns x 1 action here), and the rationale says so."""
