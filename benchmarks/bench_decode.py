@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~8 min on a quiet machine
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections prefill   # the MAX_ROWS bound, ~1 min
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -19,6 +20,11 @@ machine slows both alike. Sections (``--sections``):
     ``gemm`` (every linear) / ``grow`` / ``gemm+grow``,
     ``--step-count`` steps per arm per round; median ms per step, and the median over rounds
     of each round's plain/arm ratio (paired: robust to load that changes between rounds).
+``prefill``
+    One forward of the model over a single prompt of ``--prefill-lens`` tokens (``logits_to_keep=1``,
+    as a shared-prompt group's prefill), ``plain`` vs ``gemm`` (every linear transposed: calls of
+    up to ``MAX_ROWS`` rows take that layout, so this checks the bound where it applies),
+    ``--prefill-count`` forwards per arm per round; median ms and the paired per-round ratio.
 ``generate``
     ``HFBackend.generate`` end to end (shared-prompt prefill, ``B / 4`` distinct prompts,
     exactly ``--new-tokens`` new tokens, temperature 0.8, inverse-CDF sampling), levers off
@@ -155,6 +161,32 @@ def steps_section(torch, model, tokenizer, args) -> None:
                                             f"paired per round {paired[a]:.2f}x)" for a in arms), flush=True)
 
 
+def prefill_section(torch, model, tokenizer, args) -> None:
+    from ragen.models.transposed_gemm import MAX_ROWS, transposed_linears
+
+    text = "You are playing a bandit game. Two arms: Apple and Stuntman. Each arm pays a random reward. Think. " * 40
+    n = args.prefill_count
+    print(f"\n[prefill] one forward over a single prompt (logits_to_keep=1), plain vs gemm (MAX_ROWS = {MAX_ROWS}), "
+          f"{n} forwards per arm per round, {args.rounds} timed rounds after 1 warm-up round; median ms")
+    for L in args.prefill_lens:
+        ids = torch.tensor([tokenizer(text)["input_ids"][:L]])  # (1, L)
+        times = {"plain": [], "gemm": []}
+        for r, arm in alternate(list(times), args.rounds + 1):
+            with torch.no_grad(), transposed_linears(model, arm == "gemm") as switched:
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    model(ids, use_cache=True, logits_to_keep=1)
+                    if r > 0:
+                        times[arm].append(time.perf_counter() - t0)
+            if arm == "gemm" and L > MAX_ROWS:
+                assert switched  # switched modules exist, but every call runs F.linear above the bound
+        paired = statistics.median(statistics.median(times["plain"][i * n:(i + 1) * n]) /
+                                   statistics.median(times["gemm"][i * n:(i + 1) * n]) for i in range(args.rounds))
+        layout = "transposed" if L <= MAX_ROWS else "plain (above MAX_ROWS)"
+        print(f"  {L} tokens ({layout} in the gemm arm): plain {med_ms(times['plain']):.1f} ms, "
+              f"gemm {med_ms(times['gemm']):.1f} ms; paired per round {paired:.2f}x", flush=True)
+
+
 def generate_section(torch, model, tokenizer, args) -> None:
     from ragen.models.backend import HFBackend, SamplingParams
 
@@ -199,11 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "generate"], choices=["gemm", "steps", "generate"])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"], choices=["gemm", "steps", "prefill", "generate"])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
     ap.add_argument("--update-rows", type=int, nargs="*", default=[128, 512, 1024])
     ap.add_argument("--prompt-len", type=int, default=110)
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=[64, 128, 192, 256, 320])
+    ap.add_argument("--prefill-count", type=int, default=5, help="forwards per arm per round (prefill section)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--step-count", type=int, default=8, help="decode steps per arm per round (steps section)")
     ap.add_argument("--rounds", type=int, default=3, help="timed alternated rounds per comparison")
@@ -233,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             gemm_section(torch, model, args)
         elif name == "steps":
             steps_section(torch, model, tokenizer, args)
+        elif name == "prefill":
+            prefill_section(torch, model, tokenizer, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)
