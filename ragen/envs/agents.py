@@ -29,7 +29,7 @@ The expert per env:
 * ``game2048`` -- :func:`ragen.envs.game2048.best_move` (a deterministic heuristic, not a
   solver: two-move lookahead with the corner strategy; one move per turn, since the next
   tile is random);
-* ``bandit`` -- the arm with the higher expected payoff (``env.high_action``);
+* ``bandit`` -- the arm with the higher expected payoff (``env.best_action``: the high arm under the defaults);
 * ``math_qa`` -- the stored gold answer;
 * any other env -- its ``expert_actions()`` method if it has one (see
   ``examples/custom_env.py``), else ``ValueError``.
@@ -207,7 +207,7 @@ class ExpertAgent(Agent):
 
             return [env.action_lookup[best_move(env.board)]]
         if isinstance(env, BanditEnv):
-            return [env.action_lookup[env.high_action]]
+            return [env.action_lookup[env.best_action]]
         if isinstance(env, MathQAEnv):
             return [env.gold_answer]
         raise ValueError(

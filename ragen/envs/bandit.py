@@ -57,7 +57,8 @@ class BanditEnv(TextEnv):
     After one pull (terminated).
 
     ## Information
-    ``success`` (the high arm was pulled), ``action_is_valid``, ``action_is_effective``
+    ``success`` (the arm with the higher expected payoff was pulled: the high arm unless a
+    config makes ``high_prob * high_payoff`` <= ``low_payoff``), ``action_is_valid``, ``action_is_effective``
     (always True for a valid pull), ``high_arm`` (its name).
 
     ## Arguments
@@ -102,6 +103,12 @@ class BanditEnv(TextEnv):
         self._done = False
         return self.render(), {"high_arm": high}
 
+    @property
+    def best_action(self) -> int:
+        """The arm with the higher expected payoff; the high arm on a tie (it is the one named risky)."""
+        c = self.config
+        return self.high_action if c.high_prob * c.high_payoff >= c.low_payoff else 3 - self.high_action
+
     def step(self, action):
         if self._done:
             raise ValueError("bandit: episode is over; call reset()")
@@ -113,7 +120,7 @@ class BanditEnv(TextEnv):
             reward = self.config.low_payoff
         self._done = True
         info = {
-            "success": action == self.high_action,
+            "success": action == self.best_action,
             "action_is_valid": True,
             "action_is_effective": True,
             "high_arm": self.action_lookup[self.high_action],

@@ -116,21 +116,25 @@ def bandit_rationale(env: Any, actions: list[str]) -> str:
 
     The judgments come before the choice, so the first generated words describe the first
     listed name, not the answer (a rationale that opened with the chosen name decided before it
-    reasoned: ``docs/study_bandit_think.md``). "Being a X is a risky job" is the phrasing under
-    which the untrained model's own next-word odds (" risky" vs " safe") rank the training
-    names correctly (``docs/study_bandit_think.md``, "Knowledge probe").
+    reasoned: ``docs/study_bandit_think.md``). The words "Being a X is a" + " risky" / " safe"
+    end the probe template under which the untrained model's own next-word odds rank all
+    training names correctly (``docs/study_bandit_think.md``, "Knowledge probe"; the probe's
+    template also opens with a question, which the rationale does not).
     """
     c = env.config
     high = env.action_lookup[env.high_action]
     high_mean, low_mean = c.high_prob * c.high_payoff, c.low_payoff
-    better = "risky" if high_mean > low_mean else "safe"
     judged = " ".join(
         f"Being {_article(name)} {name} is a {'risky' if name == high else 'safe'} job."
         for name in (env.action_lookup[1], env.action_lookup[2])
     )
+    if high_mean == low_mean:
+        verdict = "both arms pay the same on average"
+    else:
+        verdict = f"the {'risky' if high_mean > low_mean else 'safe'} arm is better"
     return (
         f"{judged} A risky arm pays {high_mean:g} on average, a safe one {low_mean:g}: "
-        f"the {better} arm is better, so I pull {_moves(actions)}."
+        f"{verdict}, so I pull {_moves(actions)}."
     )
 
 

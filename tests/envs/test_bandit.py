@@ -65,3 +65,17 @@ def test_bad_input_is_a_clear_error():
     env.step(1)
     with pytest.raises(ValueError, match="episode is over"):
         env.step(1)
+
+@pytest.mark.parametrize("low_payoff, best", [(0.1, "high"), (0.25, "high"), (0.5, "low")])
+def test_success_is_pulling_the_arm_with_the_higher_expected_payoff(low_payoff, best):
+    # high arm: 1.0 with probability 0.25 (mean 0.25); a tie goes to the high arm
+    env = ragen.envs.make("bandit", low_payoff=low_payoff)
+    for seed in range(20):
+        env.reset(seed=seed)
+        best_action = env.high_action if best == "high" else 3 - env.high_action
+        assert env.best_action == best_action
+        _, _, _, _, info = env.step(best_action)
+        assert info["success"]
+        env.reset(seed=seed)
+        _, _, _, _, info = env.step(3 - best_action)
+        assert not info["success"]

@@ -74,18 +74,25 @@ def test_sokoban_rationale_states_the_bfs_plan():
         assert all(a - b == 2 for a, b in zip(lengths, lengths[1:])), lengths
 
 
-def test_bandit_rationale_judges_each_arm_in_listed_order_before_choosing():
-    config = load_config("bandit", ["agent.enable_think=true", "agent.response_prefix=''"])
-    for record in expert_records(config, 16):
+@pytest.mark.parametrize("low_payoff, verdict", [(0.1, "the risky arm is better"), (0.5, "the safe arm is better")])
+def test_bandit_rationale_judges_each_arm_in_listed_order_before_choosing(low_payoff, verdict):
+    from ragen.envs.bandit import NAMES
+
+    config = load_config("bandit", ["agent.enable_think=true", "agent.response_prefix=''",
+                                    f"env.config.low_payoff={low_payoff}"])
+    records = list(expert_records(config, 16))
+    assert len(records) == 16 and all(r["success"] for r in records)
+    kind = {name: "risky" for name in NAMES["train"]["high"]} | {name: "safe" for name in NAMES["train"]["low"]}
+    for record in records:
         state = record["messages"][-2]["content"]
         first, second = state.split("The arms are ")[1].split(". Which arm")[0].split(" and ")
         think = parse_response(record["messages"][-1]["content"], max_actions=1).think
         chosen = record["actions"][0][0]
-        risky = lambda name: "risky" if name == chosen else "safe"  # noqa: E731 - the expert pulls the risky arm
+        assert kind[chosen] == verdict.split()[1]  # the expert pulls the arm with the higher mean
         # The first words describe the first listed arm, whichever is chosen; the verdict comes last.
-        assert think.startswith(f"Being a{'n' if first[0] in 'AEIOU' else ''} {first} is a {risky(first)} job. ")
-        assert f" {second} is a {risky(second)} job. " in think
-        assert think.index(second) < think.index("so I pull") and think.endswith(f"so I pull {chosen}.")
+        assert think.startswith(f"Being a{'n' if first[0] in 'AEIOU' else ''} {first} is a {kind[first]} job. ")
+        assert f" {second} is a {kind[second]} job. " in think
+        assert think.endswith(f"{verdict}, so I pull {chosen}.")
 
 
 def test_slippery_lake_data_is_the_finite_horizon_policy_for_the_moves_left():
