@@ -22,8 +22,9 @@ machine slows both alike. Sections (``--sections``):
     of each round's plain/arm ratio (paired: robust to load that changes between rounds).
 ``prefill``
     One forward of the model over a single prompt of ``--prefill-lens`` tokens (``logits_to_keep=1``,
-    as a shared-prompt group's prefill), ``plain`` vs ``gemm`` (every linear transposed: calls of
-    up to ``MAX_ROWS`` rows take that layout, so this checks the bound where it applies),
+    as a shared-prompt group's prefill), ``plain`` vs ``gemm`` (every linear switched: the decoder's
+    calls of up to ``MAX_ROWS`` rows take the transposed layout, so this checks the bound where it
+    applies; the LM head's call has one row and is transposed at every length),
     ``--prefill-count`` forwards per arm per round; median ms and the paired per-round ratio.
 ``generate``
     ``HFBackend.generate`` end to end (shared-prompt prefill, ``B / 4`` distinct prompts,
@@ -170,21 +171,21 @@ def prefill_section(torch, model, tokenizer, args) -> None:
           f"{n} forwards per arm per round, {args.rounds} timed rounds after 1 warm-up round; median ms")
     for L in args.prefill_lens:
         ids = torch.tensor([tokenizer(text)["input_ids"][:L]])  # (1, L)
+        assert ids.shape[1] == L, f"the prompt text has fewer than {L} tokens"
         times = {"plain": [], "gemm": []}
         for r, arm in alternate(list(times), args.rounds + 1):
-            with torch.no_grad(), transposed_linears(model, arm == "gemm") as switched:
+            with torch.no_grad(), transposed_linears(model, arm == "gemm"):
                 for _ in range(n):
                     t0 = time.perf_counter()
                     model(ids, use_cache=True, logits_to_keep=1)
                     if r > 0:
                         times[arm].append(time.perf_counter() - t0)
-            if arm == "gemm" and L > MAX_ROWS:
-                assert switched  # switched modules exist, but every call runs F.linear above the bound
         paired = statistics.median(statistics.median(times["plain"][i * n:(i + 1) * n]) /
                                    statistics.median(times["gemm"][i * n:(i + 1) * n]) for i in range(args.rounds))
-        layout = "transposed" if L <= MAX_ROWS else "plain (above MAX_ROWS)"
-        print(f"  {L} tokens ({layout} in the gemm arm): plain {med_ms(times['plain']):.1f} ms, "
-              f"gemm {med_ms(times['gemm']):.1f} ms; paired per round {paired:.2f}x", flush=True)
+        # The LM head sees one row (logits_to_keep=1), so it is transposed in the gemm arm at every length.
+        layout = "transposed" if L <= MAX_ROWS else "plain: above MAX_ROWS"
+        print(f"  {L} tokens (gemm arm: decoder linears {layout}, LM head transposed): plain {med_ms(times['plain']):.1f} ms, "
+              f"gemm {med_ms(times['gemm']):.1f} ms; plain/gemm paired per round {paired:.2f}x", flush=True)
 
 
 def generate_section(torch, model, tokenizer, args) -> None:
