@@ -9,9 +9,10 @@ path's only where two logits tie to within that rounding. Measured (``benchmarks
 ``docs/performance.md``, 2 threads): SmolLM2's decode steps run 1.05-1.22× faster with every
 linear switched at batch 16-64 (the LM head alone: 1.03-1.06×). Each GEMM alone, weights cycled
 from memory, is a mixed picture: 0.86-1.14× for the decoder's shapes at 16-64 rows, 1.17-1.40×
-for the 49 152 × 576 head, and 0.77-0.91× for every shape at 256 rows. :data:`MAX_ROWS` = 256
-came from an earlier throwaway measurement (1.02-1.12× at 128-256 rows); calls of 129-256 rows
-(the prefill of a few prompts) were not measured end to end at this bound.
+for the 49 152 × 576 head, and 0.77-0.91× for every shape at 256 rows. :data:`MAX_ROWS` = 128
+since the model's prefill over one prompt measured plain/transposed 1.02×, 1.06×, 0.99× and
+0.89× at 64, 128, 192 and 256 tokens (``bench_decode.py --sections prefill``, 2 threads, idle;
+the bound was 256 before, from a throwaway measurement).
 
 Used only for plain ``torch.nn.Linear`` modules (exactly that class, with a plain-tensor weight:
 LoRA wrappers, quantised or hooked-by-replacement linears keep their own ``forward``; the plain
@@ -31,7 +32,7 @@ import torch
 from ragen.models.lora import base_model
 
 #: Most rows (tokens) a call may have to take the transposed layout; larger calls run ``F.linear``.
-MAX_ROWS = 256
+MAX_ROWS = 128
 
 
 def output_head(model) -> torch.nn.Module | None:
