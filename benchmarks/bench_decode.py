@@ -169,8 +169,9 @@ def prefill_section(torch, model, tokenizer, args) -> None:
     n = args.prefill_count
     print(f"\n[prefill] one forward over a single prompt (logits_to_keep=1), plain vs gemm (MAX_ROWS = {MAX_ROWS}), "
           f"{n} forwards per arm per round, {args.rounds} timed rounds after 1 warm-up round; median ms")
+    text_ids = tokenizer(text)["input_ids"]
     for L in args.prefill_lens:
-        ids = torch.tensor([tokenizer(text)["input_ids"][:L]])  # (1, L)
+        ids = torch.tensor([text_ids[:L]])  # (1, L)
         assert ids.shape[1] == L, f"the prompt text has fewer than {L} tokens"
         times = {"plain": [], "gemm": []}
         for r, arm in alternate(list(times), args.rounds + 1):

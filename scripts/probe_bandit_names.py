@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from ragen.envs.bandit import NAMES
-from ragen.models import load_model
+from ragen.models import ModelLoadError, load_model
 
 TEMPLATES = [
     "Q: Is being a {n} a risky job or a safe job?\nA: Being a {n} is a",
@@ -50,7 +50,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="smollm2-135m")
     args = parser.parse_args()
-    model, tokenizer = load_model(args.model)
+    try:
+        model, tokenizer = load_model(args.model)
+    except ModelLoadError as exc:
+        parser.error(str(exc))  # one line, exit status 2
     model.eval()
     names = sorted({n for split in NAMES.values() for group in split.values() for n in group})
     print("train pairs  test pairs  words            template")
