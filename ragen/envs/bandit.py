@@ -19,6 +19,22 @@ NAMES = {
         "low": ["Teacher", "Librarian", "Accountant", "Gardener", "Baker", "Nurse", "Clerk", "Tailor"],
         "high": ["Gambler", "Explorer", "Stuntman", "Pirate", "Daredevil", "Smuggler", "Adventurer", "Speculator"],
     },
+    # The training lists and 24 more occupations per side, for SFT data in which memorising names
+    # does not pay: a demonstration can only be fitted by judging what a name means (docs/sft.md).
+    # Still no test name, nor a close synonym of one (chosen by hand; tests check the disjointness).
+    "train_wide": {
+        "low": ["Teacher", "Librarian", "Accountant", "Gardener", "Baker", "Nurse", "Clerk", "Tailor",
+                "Bookkeeper", "Receptionist", "Secretary", "Archivist", "Florist", "Typist", "Statistician",
+                "Civil Servant", "Office Worker", "Data Analyst", "Waiter", "Potter", "Weaver", "Translator",
+                "Bus Driver", "Insurance Agent", "Payroll Officer", "Hairdresser", "Cook", "Auditor", "Farmer",
+                "Tutor", "Proofreader", "Museum Guide"],
+        "high": ["Gambler", "Explorer", "Stuntman", "Pirate", "Daredevil", "Smuggler", "Adventurer", "Speculator",
+                 "Poker Player", "Mountaineer", "Stock Trader", "Lion Tamer", "Storm Chaser", "Test Pilot",
+                 "Cave Diver", "Bullfighter", "Bomb Disposal Expert", "Crypto Trader", "Tightrope Walker",
+                 "Venture Capitalist", "Spy", "War Correspondent", "Rodeo Rider", "Escape Artist",
+                 "Big Wave Surfer", "Card Shark", "Firefighter", "Astronaut", "Snake Charmer",
+                 "Alligator Wrestler", "Wildcatter", "Day Trader"],
+    },
     "test": {
         "low": ["Postman", "Cashier", "Janitor", "Plumber", "Dentist", "Pharmacist"],
         "high": ["Skydiver", "Treasure Hunter", "Bounty Hunter", "Mercenary", "Racer", "Volcanologist"],
@@ -62,7 +78,8 @@ class BanditEnv(TextEnv):
     (always True for a valid pull), ``high_arm`` (its name).
 
     ## Arguments
-    ``name_set`` ("train" | "test"), ``low_payoff``, ``high_payoff``, ``high_prob``.
+    ``name_set`` ("train" | "train_wide" | "test"; ``train_wide`` is ``train`` plus 24 names per
+    side, for SFT data), ``low_payoff``, ``high_payoff``, ``high_prob``.
     """
 
     description = "Two named arms, one pull: infer from the names which arm pays more on average."

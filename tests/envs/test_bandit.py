@@ -38,6 +38,24 @@ def test_test_names_are_disjoint_from_train_names():
     assert set(env.action_lookup.values()) <= test
 
 
+def test_wide_training_names_extend_the_training_lists_and_stay_apart_from_the_test_names():
+    wide, train, test = NAMES["train_wide"], NAMES["train"], NAMES["test"]
+    test_names = {n.lower() for side in test.values() for n in side}
+    for side in ("low", "high"):
+        assert wide[side][: len(train[side])] == train[side]  # the training lists come first, unchanged
+        assert len(wide[side]) == 32 and len({n.lower() for n in wide[side]}) == 32
+        assert not {n.lower() for n in wide[side]} & test_names
+    env = ragen.envs.make("bandit", name_set="train_wide")
+    seen = set()
+    for seed in range(300):
+        env.reset(seed=seed)
+        high, low = env.action_lookup[env.high_action], env.action_lookup[3 - env.high_action]
+        assert high in wide["high"] and low in wide["low"]
+        assert env.parse_action(f"{high}") == env.high_action
+        seen.update((high, low))
+    assert len(seen) > 48  # draws reach beyond the 16 training names
+
+
 def test_same_seed_same_episode():
     a, b = ragen.envs.make("bandit"), ragen.envs.make("bandit")
     for seed in range(20):
