@@ -13,6 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ragen.runtime import keep_freed_memory  # noqa: E402 (after the environment defaults above)
+
 USAGE_ERROR = 2
 
 
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    keep_freed_memory()  # large tensors reuse freed pages instead of faulting in fresh ones (ragen/runtime.py)
     return args.func(args)
 
 

@@ -28,6 +28,7 @@ from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.freeze import train_top_layers
+from ragen.runtime import keep_freed_memory
 from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import (all_reduce_grads, barrier, broadcast_object, init_distributed, micro_batch_count,
                                      rank_world, reduce_metrics, shard)
@@ -49,6 +50,7 @@ VAL_SEED_BASE = 2**31
 class StarPOTrainer:
     def __init__(self, config: RunConfig, resume: bool = False):
         self.config = config
+        keep_freed_memory()  # also when built from Python, not the ragen command (ragen/runtime.py)
         if config.rollout.engine == "vllm":  # no vLLM, no GPU, or LoRA: a clear error before anything is loaded
             from ragen.models.vllm_backend import check_vllm_run
 
