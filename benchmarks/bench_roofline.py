@@ -358,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target update >= {TARGET_UPDATE:.0%} MFU: {mfu_real:.1%} (6N x tokens the decoder ran), {mfu_hw:.1%} "
           f"(executed linear-layer FLOPs) -> {'met' if met else 'NOT met'}; the decoder ran {real / u['once']:.2f}x the "
           f"tokens of one pass per distinct prompt")
-    print(f"total wall time {wall:.0f} s; {whole.report()}")
+    from ragen.runtime import allocator_state
+
+    print(f"total wall time {wall:.0f} s; {whole.report()}; allocator: {allocator_state()}")
     return 0
 
 

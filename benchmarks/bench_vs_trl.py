@@ -2,11 +2,11 @@
 
     /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py             # fp32, 1 warm-up + 3 timed steps each
     /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py --bf16      # bf16 autocast in both (slow without native bf16)
-    /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py --allocator default   # glibc's defaults for both
+    /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py --allocator kept      # RAGEN_MALLOC=keep's setting for both
 
-The allocator setting of :mod:`ragen.runtime` is process-wide, so both frameworks run under the
-same one: by default glibc keeps freed memory for both (TRL gains from it too), ``--allocator
-default`` leaves glibc's defaults for both.
+The opt-in allocator setting of :mod:`ragen.runtime` is process-wide, so both frameworks run under
+the same one: glibc's defaults for both, or with ``--allocator kept`` glibc keeping freed memory
+for both (TRL gains from it too).
 
 TRL is not a ragen dependency: run this from a separate venv holding ragen and the ``bench``
 extra (``pip install -e '.[bench]'``), never from the project venv (TRL may move transformers).
@@ -250,17 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast in both (default fp32)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--allocator", choices=["kept", "default"], default="kept",
-                    help="kept: glibc keeps freed memory (ragen/runtime.py, what ragen's trainer sets) for both "
-                         "frameworks, as the process is shared; default: glibc's defaults for both")
+    ap.add_argument("--allocator", choices=["kept", "default"], default="default",
+                    help="default: glibc's defaults for both frameworks; kept: glibc keeps freed memory for both "
+                         "(ragen/runtime.py, RAGEN_MALLOC=keep; process-wide, so TRL gets it too)")
     args = ap.parse_args(argv)
-    if args.allocator == "kept":
-        from ragen.runtime import keep_freed_memory
+    from ragen.runtime import allocator_state, keep_freed_memory
 
-        applied = keep_freed_memory()
-    else:
-        os.environ["RAGEN_MALLOC"] = "default"  # StarPOTrainer leaves the allocator alone
-        applied = False
+    if args.allocator == "kept":
+        keep_freed_memory(force=True)
 
     import transformers
 
@@ -270,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}, "
           f"avx512f={'avx512f' in flags} avx512_bf16={'avx512_bf16' in flags} amx_bf16={'amx_bf16' in flags}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"allocator for both frameworks: {'glibc keeps freed memory' if applied else 'glibc defaults'}")
+          f"allocator for both frameworks: {allocator_state()}")
     print(f"shape: {args.prompts} prompts x {args.group} completions = {args.prompts * args.group} per step, "
           f"{args.new_tokens} new tokens each, lr {args.lr}, T {args.temperature}, "
           f"{'bf16' if args.bf16 else 'fp32'}, {args.warmup} warm-up + {args.steps} timed steps each", flush=True)

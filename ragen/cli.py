@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    keep_freed_memory()  # large tensors reuse freed pages instead of faulting in fresh ones (ragen/runtime.py)
+    keep_freed_memory()  # only with RAGEN_MALLOC=keep: large tensors reuse freed pages (ragen/runtime.py)
     return args.func(args)
 
 

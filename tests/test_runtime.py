@@ -1,16 +1,20 @@
-"""ragen/runtime.py: with glibc keeping freed memory, a step's large tensors reuse the last step's pages."""
+"""ragen/runtime.py: with RAGEN_MALLOC=keep, a step's large tensors reuse the last step's pages; without it,
+nothing changes."""
 
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 
+from ragen import runtime
+
 #: One "step": update-sized tensors (1 024 × 49 152 fp32 = 192 MiB each) alive together, then freed.
 PROBE = """
 import resource, sys, torch
 from ragen.runtime import keep_freed_memory
-applied = keep_freed_memory() if sys.argv[1] == "keep" else False
+applied = keep_freed_memory()
 def faults_of_a_step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     a = torch.randn(1024, 49152); b = a.exp(); c = torch.log_softmax(a, -1); d = b * c
@@ -18,26 +22,69 @@ def faults_of_a_step():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 print(applied, *[faults_of_a_step() for _ in range(5)])
 """
+STEP_PAGES = 4 * 1024 * 49152 * 4 // 4096  # the step's four blocks in 4 KiB pages
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 
-def probe(mode: str, **env) -> tuple[bool, list[int]]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "RAGEN_MALLOC"}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**environ, **env}, capture_output=True,
+def probe(**env) -> tuple[bool, list[int]]:
+    """(applied, page faults of each of 5 steps) in a fresh process with glibc's defaults plus ``env``."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("MALLOC_") and k not in ("RAGEN_MALLOC", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**environ, **env}, capture_output=True,
                          text=True, check=True).stdout.split()
     return out[0] == "True", [int(x) for x in out[1:]]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_steps_large_tensors_reuse_freed_pages():
-    pages = 4 * 1024 * 49152 * 4 // 4096  # the step's four blocks
-    applied, faults = probe("keep")
+def huge_pages_always() -> bool:
+    """With transparent huge pages always on, a fresh block faults once per 2 MiB: glibc's default is cheap too."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+@glibc
+def test_a_steps_large_tensors_reuse_freed_pages_when_asked():
+    applied, faults = probe(RAGEN_MALLOC="keep")
     assert applied
-    assert faults[-1] < pages // 100  # after warm-up: the pages are already there
-    default_applied, default_faults = probe("default")
+    assert faults[-1] < STEP_PAGES // 100  # after warm-up: the pages are already there
+    default_applied, default_faults = probe()  # not asked: glibc's defaults
     assert not default_applied
-    assert min(default_faults) > pages // 2  # glibc's default: each block is a fresh mmap, faulted in again
+    if not huge_pages_always():
+        assert min(default_faults) > STEP_PAGES // 2  # every block a fresh mmap, faulted in again
 
 
-def test_the_users_own_malloc_settings_win():
-    assert probe("keep", MALLOC_ARENA_MAX="2")[0] is False
-    assert probe("keep", RAGEN_MALLOC="default")[0] is False
+@glibc
+@pytest.mark.parametrize("env", [{"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}])
+def test_the_users_own_malloc_settings_win(env):
+    applied, faults = probe(RAGEN_MALLOC="keep", **env)
+    assert not applied
+    if not huge_pages_always():
+        assert faults[-1] > STEP_PAGES // 2  # glibc left as configured: still faulting every step
+
+
+def test_the_ragen_command_and_the_trainer_call_it(monkeypatch, tmp_path):
+    from ragen import cli
+    from ragen.config import load_config
+    from ragen.train import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append("cli"))
+    monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append("trainer"))
+    assert cli.main(["envs"]) == 0
+    trainer_module.StarPOTrainer(load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path / 'run'}",
+                                                        "trainer.progress_bar=false", "trainer.logger=[jsonl]"]))
+    assert calls == ["cli", "trainer"]
+
+
+def test_the_state_line_says_what_was_applied(monkeypatch):
+    monkeypatch.setattr(runtime, "_applied", False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    assert "defaults" in runtime.allocator_state()
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert "own settings" in runtime.allocator_state()
+    monkeypatch.setattr(runtime, "_applied", True)
+    assert "keeps freed memory" in runtime.allocator_state()

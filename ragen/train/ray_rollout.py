@@ -46,6 +46,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
 from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
+from ragen.runtime import keep_freed_memory
 from ragen.train.distributed import shard
 from ragen.train.env_sets import Slots, train_sets, val_sets
 
@@ -96,6 +97,7 @@ class RolloutWorker:
     """One actor's env slots and policy replica (made a Ray actor by :class:`RayRolloutPool`)."""
 
     def __init__(self, config: RunConfig, index: int, start: int, end: int, val_start: int = 0, val_end: int = 0):
+        keep_freed_memory()  # RAGEN_MALLOC=keep: a worker is its own process (ragen/runtime.py)
         if config.trainer.num_threads > 0:
             torch.set_num_threads(config.trainer.num_threads)
         self.config, self.index, self.start, self.end = config, index, start, end

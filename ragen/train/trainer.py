@@ -50,7 +50,7 @@ VAL_SEED_BASE = 2**31
 class StarPOTrainer:
     def __init__(self, config: RunConfig, resume: bool = False):
         self.config = config
-        keep_freed_memory()  # also when built from Python, not the ragen command (ragen/runtime.py)
+        keep_freed_memory()  # RAGEN_MALLOC=keep, also when built from Python (ragen/runtime.py)
         if config.rollout.engine == "vllm":  # no vLLM, no GPU, or LoRA: a clear error before anything is loaded
             from ragen.models.vllm_backend import check_vllm_run
 
