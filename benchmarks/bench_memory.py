@@ -319,10 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         print("note: /proc/self/clear_refs was not writable: stage peaks are cumulative")
     print(f"\ntotal wall time {wall:.0f} s; CPU used by other processes meanwhile: {others:.0f} core-s "
           f"(avg {others / wall:.2f} of {os.cpu_count()} cores; RSS is not affected, stage seconds are)")
-    from ragen.runtime import users_own_settings
+    from ragen.runtime import requested
 
-    keep = os.environ.get("RAGEN_MALLOC") == "keep" and not users_own_settings()
-    print("children's allocator: " + ("glibc keeps freed memory (RAGEN_MALLOC=keep, ragen/runtime.py)" if keep else
+    print("children's allocator: " + ("glibc keeps freed memory (RAGEN_MALLOC=keep, ragen/runtime.py)" if requested() else
                                       "the C library's defaults or the environment's own MALLOC_* settings"))
     return 0
 

@@ -46,6 +46,13 @@ def users_own_settings() -> bool:
     return any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+def requested(force: bool = False) -> bool:
+    """True if the setting should be applied: asked for (``RAGEN_MALLOC=keep`` or ``force``), not
+    overridden by the environment's own malloc settings, and on glibc."""
+    asked = force or os.environ.get("RAGEN_MALLOC", "") == "keep"
+    return asked and not users_own_settings() and platform.libc_ver()[0] == "glibc"
+
+
 _applied = False
 
 
@@ -53,9 +60,7 @@ def keep_freed_memory(force: bool = False) -> bool:
     """With ``RAGEN_MALLOC=keep`` (or ``force``), serve large allocations from glibc's heap and keep
     freed memory for reuse; True if applied."""
     global _applied
-    if not (force or os.environ.get("RAGEN_MALLOC", "") == "keep"):
-        return False
-    if users_own_settings() or platform.libc_ver()[0] != "glibc":
+    if not requested(force):
         return False
     try:
         libc = ctypes.CDLL(None)
