@@ -11,8 +11,10 @@ thread, where torch runs the ops a training step launches; glibc's other arenas 
 allocate themselves) still map large blocks afresh.
 
 Measured on a 2-core Xeon VM (docs/performance.md, "On a Xeon with AMX"): ``tests/test_runtime.py``'s
-probe (four 192 MiB tensors per iteration) faults 196 608 pages per iteration with glibc's
-defaults and 0 from the fourth iteration on with this setting. Updates at ``bench_vs_trl.py``'s
+probe (four 192 MiB tensors per iteration) faults ~196 600 pages per iteration with glibc's
+defaults (every page of the four blocks) and 0 by the fifth iteration with this setting
+(``.venv/bin/python -c "import tests.test_runtime as t; print(t.probe()); print(t.probe(RAGEN_MALLOC='keep'))"``:
+196 612 each time, then 196 695, 196 608, 147 456, 147 456, 0). Updates at ``bench_vs_trl.py``'s
 shape: 3.12 → 2.88 s for ragen and 7.19 → 5.62 s for TRL in the committed benchmark (two runs),
 3.32 → 2.53 s in an earlier alternation through the ``MALLOC_*`` environment variables.
 
