@@ -17,6 +17,12 @@ Every run is a fresh child process (this script with ``--child``), so peaks neve
   and activations at once: the steady state.
 * ``lora``: the same with ``lora.rank=16`` (peft adapters on every linear layer, ``lora.alpha``
   from the config).
+* ``full-ckpt``, ``lora-ckpt``: ``full`` and ``lora`` with ``trainer.gradient_checkpointing=true``
+  (each decoder layer's activations recomputed in the backward pass; ragen/models/checkpointing.py).
+
+``--preset`` picks another preset than the main job's (e.g. ``frozenlake_slippery_study``: twenty-turn
+chats of ~1 100 tokens, where activations dominate), and ``--set KEY=VALUE`` adds config overrides
+to every training child (e.g. ``--set algorithm.micro_batch_size=4``).
 
 Inside the child, each stage's peak is read from ``/proc/self/status`` (``VmHWM``) and the
 high-water mark is then reset (``/proc/self/clear_refs`` ← 5), so a stage's peak is its own;
@@ -166,8 +172,9 @@ def run_child(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         overrides = [f"trainer.output_dir={tmp}/run", "trainer.progress_bar=false", "trainer.plot=false",
                      "trainer.save_final=false", "trainer.logger=[jsonl]", f"trainer.num_threads={args.threads}", f"model={args.model}",
-                     f"lora.rank={args.lora_rank if args.child == 'lora' else 0}", "trainer.device=cpu"]  # RSS of a CPU run
-        config = load_config("bandit", overrides)
+                     f"lora.rank={args.lora_rank if args.child.startswith('lora') else 0}", "trainer.device=cpu",  # RSS of a CPU run
+                     f"trainer.gradient_checkpointing={args.child.endswith('-ckpt')}", *args.set]
+        config = load_config(args.preset, overrides)
         trainer = StarPOTrainer(config)
         n = sum(p.numel() for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.trainable_parameters())
@@ -179,7 +186,8 @@ def run_child(args) -> dict:
         info.update(precision=config.trainer.precision, micro_batch=config.algorithm.micro_batch_size,
                     vocab=int(head.weight.shape[0]), groups=config.rollout.env_groups, group_size=config.rollout.group_size,
                     max_new_tokens=config.rollout.max_new_tokens, generation_batch=config.rollout.batch_size,
-                    lora_rank=config.lora.rank, lora_alpha=config.lora.alpha)
+                    lora_rank=config.lora.rank, lora_alpha=config.lora.alpha,
+                    checkpointing=config.trainer.gradient_checkpointing)
         if args.validate:
             val = trainer.validate()
             rec.end("validation (2 tags x 64 episodes)", success=val.get("val/success"))
@@ -195,7 +203,8 @@ def run_child(args) -> dict:
 # ---------------------------------------------------------------------------- parent
 def spawn(kind: str, args) -> tuple[dict, int, float]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--threads", str(args.threads), "--model", args.model,
-           "--steps", str(args.steps), "--lora-rank", str(args.lora_rank)] + (["--validate"] if args.validate else [])
+           "--steps", str(args.steps), "--lora-rank", str(args.lora_rank), "--preset", args.preset] + \
+        [f"--set={kv}" for kv in args.set] + (["--validate"] if args.validate else [])
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = proc.stdout.read()
@@ -226,16 +235,26 @@ def own_cpu_s() -> float:
                for a in ("ru_utime", "ru_stime"))
 
 
+def run_name(kind: str, r: dict, long: bool = False) -> str:
+    if kind == "load":
+        return "load only" if long else "load_model only"
+    name = "full fine-tune" if kind.startswith("full") else f"LoRA r={r.get('lora_rank')}" + (f" alpha={r.get('lora_alpha')}" if long else "")
+    return name + (", activation checkpointing" if kind.endswith("-ckpt") else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", nargs="+", default=["load", "full", "lora"], choices=["load", "full", "lora"])
+    kinds = ["load", "full", "lora", "full-ckpt", "lora-ckpt"]
+    ap.add_argument("--runs", nargs="+", default=["load", "full", "lora"], choices=kinds)
+    ap.add_argument("--preset", default="bandit", help="config preset of the training runs (default: the main job's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every training run")
     ap.add_argument("--steps", type=int, default=2, help="RL steps (rollout + update) per training run")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--validate", action="store_true", help="run one validation (2 x 64 episodes) before the steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads in each child (1: robust on a shared machine; RSS hardly depends on it)")
     ap.add_argument("--model", default=MODEL, help="model spec (tiny: a seconds-long smoke run)")
-    ap.add_argument("--child", choices=["load", "full", "lora"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=kinds, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -258,17 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     any_result = next(iter(results.values()))[0]
     print(f"torch {any_result['torch']}, transformers {any_result['transformers']}, torch threads {any_result['threads']}, "
           f"ragen from {os.path.dirname(os.path.dirname(any_result['ragen']))}")
-    if "full" in results or "lora" in results:
-        r = results.get("full", results.get("lora"))[0]
-        print(f"shape (bandit preset): {r['groups']} groups x {r['group_size']} envs = {r['groups'] * r['group_size']} "
+    trained = [r for kind, (r, _, _) in results.items() if kind != "load"]
+    if trained:
+        r = trained[0]
+        print(f"shape ({args.preset} preset{', ' + ' '.join(args.set) if args.set else ''}): {r['groups']} groups x {r['group_size']} envs = {r['groups'] * r['group_size']} "
               f"episodes/step, <= {r['max_new_tokens']} new tokens, micro-batch {r['micro_batch']}, "
               f"generation batch {r['generation_batch']}, precision {r['precision']}, {args.steps} RL steps"
               f"{' after one validation' if args.validate else ''}")
 
     # -- per-stage tables ------------------------------------------------------------------
     for kind, (r, ru_maxrss, seconds) in results.items():
-        title = {"load": "load only", "full": "full fine-tune",
-                 "lora": f"LoRA r={r.get('lora_rank')} alpha={r.get('lora_alpha')}"}[kind]
+        title = run_name(kind, r, long=True)
         print(f"\n{title}: {r['params'] / 1e6:.1f} M parameters, {r['trainable'] / 1e6:.2f} M trainable; "
               f"child wall {seconds:.0f} s; ru_maxrss (since the last reset) {mib(ru_maxrss)} MiB")
         print("| stage | s | RSS at end, MiB (anon + file) | malloc at end, MiB: in use / freed but kept "
@@ -291,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         peak = max(s["peak_kib"] for s in r["stages"])
         loaded = r["stages"][2]["rss_kib"]  # after load_model / building the trainer, weights paged in
         static = 4 * r["params"] + 12 * r["trainable"]
-        name = {"load": "load_model only", "full": "full fine-tune", "lora": f"LoRA r={r.get('lora_rank')}"}[kind]
+        name = run_name(kind, r)
         print(f"| {name} | {r['trainable'] / 1e6:.2f} M | {mib(loaded)} | {mib(peak)} | "
               f"{'-' if kind == 'load' else mib(peak - loaded)}"
               f"{'' if load_rss is None or kind == 'load' else f' (vs load-only child: {mib(peak - load_rss)})'} "
               f"| {static / MiB:,.0f} |")
 
     # -- the logits claim ------------------------------------------------------------------
-    for kind in ("full", "lora"):
-        if kind not in results:
+    for kind in results:
+        if kind == "load":
             continue
         r = results[kind][0]
         updates = [s for s in r["stages"] if s["stage"].endswith("update")]

@@ -264,6 +264,11 @@ class TrainerConfig:
     share_prompt_prefix: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
+    #: Activation checkpointing in the update: keep only each decoder layer's input and recompute
+    #: the layer in the backward pass (ragen/models/checkpointing.py). Far less memory on long
+    #: multi-turn episodes for about one extra forward pass; the update then runs shared prompts
+    #: once per row (``share_prompt_prefix`` needs a KV cache, which a checkpointed layer cannot write).
+    gradient_checkpointing: bool = False
     #: Under ``torchrun``: shard the decoder layers' weights, gradients and AdamW moments over the
     #: ranks (FSDP2) instead of keeping a whole copy on each. Same updates up to float rounding; rank 0
     #: keeps an unsharded replica to generate with. No effect in a single process. ragen/train/fsdp.py.

@@ -77,6 +77,10 @@ class SFTTrainerConfig:
     progress_bar: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
+    #: Activation checkpointing: keep only each decoder layer's input and recompute the layer in the
+    #: backward pass (ragen/models/checkpointing.py): far less memory on long chats for about one
+    #: extra forward pass per step.
+    gradient_checkpointing: bool = False
 
 
 @dataclass

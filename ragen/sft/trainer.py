@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ragen.models import apply_lora, autocast, load_model
+from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
@@ -70,6 +71,8 @@ class SFTTrainer:
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)
+        if t.gradient_checkpointing:
+            enable_checkpointing(self.model)
         per_step = min(t.batch_size, len(self.data.train))
         self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
         self.optimizer = adamw(self.trainable_parameters(), lr=config.optim.lr,

@@ -37,7 +37,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     decoder = base_model(model).get_decoder()
     if prompt_lengths is None:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # no KV cache to keep
     device = input_ids.device
     input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()  # read row by row below: one copy, not B syncs
     B, L = input_ids.shape

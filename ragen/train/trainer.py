@@ -27,6 +27,7 @@ from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
+from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
 from ragen.train.batch import TrainBatch, collate, collate_turns
@@ -85,6 +86,8 @@ class StarPOTrainer:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)  # adapters join their base layers' device
         train_top_layers(self.model, config.optim.trainable_layers)
+        if config.trainer.gradient_checkpointing:
+            enable_checkpointing(self.model)  # acts in update() only: train mode with gradients on
         self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         # What rank 0 generates with: the trained model itself, or under FSDP an unsharded replica
         # kept in step by sync_rollout_weights() (a sharded model needs every rank in each forward).
@@ -368,7 +371,9 @@ class StarPOTrainer:
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
                     temperature=self.config.rollout.temperature, with_entropy=True,
                     entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
-                    value_head=self.value_head, prompt_lengths=self.prompt_lengths(micro),
+                    value_head=self.value_head,
+                    # a checkpointed layer cannot write the shared prompt's KV cache: full rows then
+                    prompt_lengths=None if self.config.trainer.gradient_checkpointing else self.prompt_lengths(micro),
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(

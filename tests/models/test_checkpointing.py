@@ -1,0 +1,139 @@
+"""Activation checkpointing keeps less for the backward pass and gives the plain path's numbers.
+
+Issue 7's rule (speed/memory levers never change results silently): log-probs and gradients with
+``trainer.gradient_checkpointing`` equal the plain pass's, for a full model and under LoRA, in the
+RL update and in SFT; and it really checkpoints (the saved-tensor total falls), so these equalities
+are not comparing the plain path with itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from ragen.cli import main
+from ragen.config import load_config
+from ragen.models import apply_lora
+from ragen.models.checkpointing import enable_checkpointing
+from ragen.train import trainer as trainer_module
+from ragen.train.logprobs import decoder_hidden, policy_forward
+from ragen.train.trainer import StarPOTrainer
+
+from tests.train.test_end_to_end import shared_prompt_trajectories
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (3, 24), generator=g)  # (B, L)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0  # a right-padded row
+    response = torch.zeros(3, 23)  # (B, T = L - 1)
+    response[:, 10:] = 1
+    response[0, -5:] = 0
+    return ids, mask, response
+
+
+def decoder_saved_bytes(model, ids, mask) -> int:
+    """Bytes autograd saves for the backward pass of the decoder stack (parameters excluded; the LM head,
+    whose saved logits dominate a tiny model's total, is not part of what checkpointing drops)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        decoder_hidden(model, ids, mask)
+    return sum(saved.values())
+
+
+def backward(model, ids, mask, response):
+    """Log-probs and gradients by name of a loss with a policy and an entropy term."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = policy_forward(model, ids, mask, response, with_entropy=True)
+    (-(out.logprobs * response).sum() - 0.1 * out.entropy.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logprobs.detach(), grads
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_checkpointed_pass_saves_less_and_gives_the_same_gradients(tiny, lora):
+    plain = copy.deepcopy(tiny[0])
+    if lora:
+        plain = apply_lora(plain, rank=4, alpha=8.0)
+        for name, p in plain.named_parameters():  # random adapters, so that their gradients are not trivially tied
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    checkpointed = copy.deepcopy(plain)
+    enable_checkpointing(checkpointed)
+    ids, mask, response = batch(plain.config.vocab_size)
+    saved_plain, saved_checkpointed = decoder_saved_bytes(plain, ids, mask), decoder_saved_bytes(checkpointed, ids, mask)
+    assert saved_checkpointed < 0.2 * saved_plain, (saved_plain, saved_checkpointed)  # it really checkpoints
+    logp_a, grads_a = backward(plain, ids, mask, response)
+    logp_b, grads_b = backward(checkpointed, ids, mask, response)
+    torch.testing.assert_close(logp_b, logp_a, rtol=0, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    assert all(("lora_" in n) == lora for n in grads_a)  # under LoRA only adapters train
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_generation_is_unchanged_by_checkpointing(tiny, tokenizer):
+    plain = copy.deepcopy(tiny[0]).train()  # the trainer generates from its model in train mode too
+    checkpointed = copy.deepcopy(plain)
+    enable_checkpointing(checkpointed)
+    prompt = tokenizer("Arms: Gambler, Clerk", return_tensors="pt")
+    with torch.no_grad():
+        a = plain.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        b = checkpointed.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert torch.equal(a, b)
+
+
+def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeypatch):
+    """Same weights after one update; the checkpointed update runs full rows (no shared-prompt KV cache)."""
+    calls: dict[bool, list] = {False: [], True: []}
+    real = trainer_module.policy_forward
+    weights = {}
+    for flag in (False, True):
+        def recording(*args, _flag=flag, **kw):
+            if torch.is_grad_enabled():
+                calls[_flag].append(kw.get("prompt_lengths"))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(trainer_module, "policy_forward", recording)
+        config = load_config("bandit", ["model=tiny", "trainer.precision=fp32", f"trainer.output_dir={tmp_path / str(flag)}",
+                                        "trainer.val_episodes=1", "optim.lr=1e-3", f"trainer.gradient_checkpointing={flag}"])
+        trainer = StarPOTrainer(config)
+        torch.manual_seed(0)
+        metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
+        assert metrics["actor/grad_norm"] > 0
+        weights[flag] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert calls[False] and all(p is not None for p in calls[False])  # plain: shared prompts run once
+    assert calls[True] and all(p is None for p in calls[True])  # checkpointed: full rows
+    for name, w in weights[False].items():
+        torch.testing.assert_close(weights[True][name], w, rtol=0, atol=1e-6, msg=name)
+
+
+def test_sft_with_checkpointing_logs_the_plain_run_s_losses(tmp_path):
+    data = tmp_path / "bandit.jsonl"
+    assert main(["sft", "generate", "bandit", "--n", "6", "--out", str(data)]) == 0
+    runs = {}
+    for flag in ("false", "true"):
+        run = tmp_path / f"sft_{flag}"
+        assert main(["sft", "train", str(data), "model=tiny", "trainer.progress_bar=false", "trainer.batch_size=4",
+                     "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.precision=fp32", "optim.lr=1e-2",
+                     f"trainer.gradient_checkpointing={flag}", f"trainer.output_dir={run}"]) == 0
+        runs[flag] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in runs["true"]] == [m["step"] for m in runs["false"]] == [0, 1, 2]
+    for a, b in zip(runs["false"], runs["true"]):
+        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), key
