@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import warnings
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 #: Freed memory kept at the top of the heap before glibc trims it (mallopt takes a C int).
@@ -48,10 +49,18 @@ def users_own_settings() -> bool:
     return any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+#: What ``RAGEN_MALLOC`` may say: ``keep`` applies the setting; empty or ``default`` leaves glibc alone.
+VALUES = ("keep", "default", "")
+
+
 def requested(force: bool = False) -> bool:
     """True if the setting should be applied: asked for (``RAGEN_MALLOC=keep`` or ``force``), not
-    overridden by the environment's own malloc settings, and on glibc."""
-    asked = force or os.environ.get("RAGEN_MALLOC", "") == "keep"
+    overridden by the environment's own malloc settings, and on glibc. Any other value than
+    :data:`VALUES` (a typo such as ``kep``) warns once and counts as not asked for."""
+    value = os.environ.get("RAGEN_MALLOC", "")
+    if value not in VALUES:
+        warnings.warn(f"RAGEN_MALLOC={value!r} is not one of 'keep', 'default': glibc's defaults are kept", stacklevel=2)
+    asked = force or value == "keep"
     return asked and not users_own_settings() and platform.libc_ver()[0] == "glibc"
 
 

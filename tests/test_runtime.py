@@ -5,6 +5,7 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -88,3 +89,14 @@ def test_the_state_line_says_what_was_applied(monkeypatch):
     assert "own settings" in runtime.allocator_state()
     monkeypatch.setattr(runtime, "_applied", True)
     assert "keeps freed memory" in runtime.allocator_state()
+
+
+def test_an_unknown_value_warns_and_changes_nothing(monkeypatch):
+    monkeypatch.setenv("RAGEN_MALLOC", "kep")
+    with pytest.warns(UserWarning, match="RAGEN_MALLOC='kep'"):
+        assert runtime.requested() is False
+    for value in ("default", ""):
+        monkeypatch.setenv("RAGEN_MALLOC", value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert runtime.requested() is False
