@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = [r for kind, (r, _, _) in results.items() if kind != "load"]
     if trained:
         r = trained[0]
-        print(f"shape ({args.preset} preset{', ' + ' '.join(args.set) if args.set else ''}): {r['groups']} groups x {r['group_size']} envs = {r['groups'] * r['group_size']} "
+        episodes = next((s["episodes"] for s in r["stages"] if "episodes" in s), None)  # what a rollout returned
+        print(f"shape ({args.preset} preset{', ' + ' '.join(args.set) if args.set else ''}): {episodes} "
               f"episodes/step, <= {r['max_new_tokens']} new tokens, micro-batch {r['micro_batch']}, "
               f"generation batch {r['generation_batch']}, precision {r['precision']}, {args.steps} RL steps"
               f"{' after one validation' if args.validate else ''}")
