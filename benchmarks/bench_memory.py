@@ -173,7 +173,7 @@ def run_child(args) -> dict:
         overrides = [f"trainer.output_dir={tmp}/run", "trainer.progress_bar=false", "trainer.plot=false",
                      "trainer.save_final=false", "trainer.logger=[jsonl]", f"trainer.num_threads={args.threads}", f"model={args.model}",
                      f"lora.rank={args.lora_rank if args.child.startswith('lora') else 0}", "trainer.device=cpu",  # RSS of a CPU run
-                     f"trainer.gradient_checkpointing={args.child.endswith('-ckpt')}", *args.set]
+                     *args.set, f"trainer.gradient_checkpointing={args.child.endswith('-ckpt')}"]  # the run kind wins
         config = load_config(args.preset, overrides)
         trainer = StarPOTrainer(config)
         n = sum(p.numel() for p in trainer.model.parameters())
@@ -190,7 +190,7 @@ def run_child(args) -> dict:
                     checkpointing=config.trainer.gradient_checkpointing)
         if args.validate:
             val = trainer.validate()
-            rec.end("validation (2 tags x 64 episodes)", success=val.get("val/success"))
+            rec.end("validation", success=val.get("val/success"))
         for step in range(1, args.steps + 1):
             trajectories = trainer.rollout(step)
             rec.end(f"step {step} rollout", episodes=len(trajectories))

@@ -414,6 +414,7 @@ RESUME_SAFE_KEYS = {
     "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
     "trainer.logger", "trainer.plot", "trainer.fsdp",
+    "trainer.gradient_checkpointing",  # same results up to float rounding; the fix after an OOM kill
 }
 
 

@@ -59,7 +59,7 @@ def requested(force: bool = False) -> bool:
     :data:`VALUES` (a typo such as ``kep``) warns once and counts as not asked for."""
     value = os.environ.get("RAGEN_MALLOC", "")
     if value not in VALUES:
-        warnings.warn(f"RAGEN_MALLOC={value!r} is not one of 'keep', 'default': glibc's defaults are kept", stacklevel=2)
+        warnings.warn(f"RAGEN_MALLOC={value!r} is not one of 'keep', 'default': read as not set", stacklevel=2)
     asked = force or value == "keep"
     return asked and not users_own_settings() and platform.libc_ver()[0] == "glibc"
 

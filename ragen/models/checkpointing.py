@@ -10,9 +10,11 @@ extra forward, i.e. ~1/3 more compute for a full update (docs/performance.md, "M
 
 This is transformers' own mechanism (``GradientCheckpointingLayer`` with torch's non-reentrant
 ``torch.utils.checkpoint``); this module only switches it on for a plain or peft-wrapped model.
-It acts only in training mode with gradients enabled, so generation, scoring and evaluation are
-untouched. A checkpointed layer cannot write a KV cache (the recompute would write it twice), so
-callers must not combine it with the shared-prompt cache of :func:`ragen.train.logprobs.decoder_hidden`.
+It acts in training mode (recent 5.x releases also require gradients to be on; 5.0 does not, and
+then drops the KV cache of a ``generate`` call made in training mode). ragen generates, scores and
+evaluates in eval mode, where no release checkpoints. A checkpointed layer cannot write a KV cache
+(the recompute would write it twice), so :func:`ragen.train.logprobs.decoder_hidden` runs full rows
+instead of its shared-prompt cache when checkpointing is on in training mode.
 """
 
 from __future__ import annotations
@@ -25,9 +27,19 @@ def enable_checkpointing(model) -> None:
     base = base_model(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(base).__name__} does not support activation checkpointing")
-    kwargs = {"use_reentrant": False}  # works with frozen inputs (LoRA, trainable_layers) without input grads
+    kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers also makes the embeddings' output require grad (a need of reentrant checkpointing
+    # only). That would pull the backward pass, recompute included, through frozen bottom layers
+    # (``optim.trainable_layers``), which ragen/models/freeze.py exists to skip.
+    if getattr(base, "_require_grads_hook", None) is not None:
+        base.disable_input_require_grads()
+
+
+def is_checkpointing(model) -> bool:
+    """True if any layer of ``model`` is set to checkpoint (the flag transformers sets on each)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in base_model(model).modules())
 

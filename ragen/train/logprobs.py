@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ragen.models.cache_names import output_cache, with_cache
+from ragen.models.checkpointing import is_checkpointing
 from ragen.models.lora import base_model
 
 
@@ -36,6 +37,8 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     on the CPU and moved to ``input_ids``' device (the model's).
     """
     decoder = base_model(model).get_decoder()
+    if prompt_lengths is not None and decoder.training and is_checkpointing(model):
+        prompt_lengths = None  # a checkpointed layer cannot write the prompts' KV cache: full rows
     if prompt_lengths is None:
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # no KV cache to keep
     device = input_ids.device

@@ -2,8 +2,9 @@
 
 Issue 7's rule (speed/memory levers never change results silently): log-probs and gradients with
 ``trainer.gradient_checkpointing`` equal the plain pass's, for a full model and under LoRA, in the
-RL update and in SFT; and it really checkpoints (the saved-tensor total falls), so these equalities
-are not comparing the plain path with itself.
+RL update and in SFT; it really checkpoints (the saved-tensor total falls, and both trainers' models
+carry the flag), so these equalities are not comparing the plain path with itself; and frozen bottom
+layers (``optim.trainable_layers``) stay out of the backward pass.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 from ragen.cli import main
 from ragen.config import load_config
 from ragen.models import apply_lora
-from ragen.models.checkpointing import enable_checkpointing
+from ragen.models.checkpointing import enable_checkpointing, is_checkpointing
+from ragen.models.freeze import decoder_layers, train_top_layers
+from ragen.sft.config import load_sft_config
+from ragen.sft.trainer import SFTTrainer
 from ragen.train import trainer as trainer_module
 from ragen.train.logprobs import decoder_hidden, policy_forward
 from ragen.train.trainer import StarPOTrainer
@@ -87,21 +91,40 @@ def test_checkpointed_pass_saves_less_and_gives_the_same_gradients(tiny, lora):
 
 
 def test_generation_is_unchanged_by_checkpointing(tiny, tokenizer):
-    plain = copy.deepcopy(tiny[0]).train()  # the trainer generates from its model in train mode too
+    """ragen generates in eval mode (HFBackend switches to it), where no transformers release checkpoints."""
+    plain = copy.deepcopy(tiny[0])
     checkpointed = copy.deepcopy(plain)
     enable_checkpointing(checkpointed)
     prompt = tokenizer("Arms: Gambler, Clerk", return_tensors="pt")
-    with torch.no_grad():
-        a = plain.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        b = checkpointed.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    assert torch.equal(a, b)
+    outs = []
+    for model in (plain, checkpointed):
+        model.eval()
+        with torch.no_grad():
+            outs.append(model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id))
+    assert torch.equal(*outs)
+
+
+def test_frozen_bottom_layers_stay_out_of_the_backward_pass(tiny):
+    """With ``optim.trainable_layers`` autograd stops at the first trainable layer, checkpointing or not
+    (transformers' own switch also makes the embeddings' output require grad, which would undo that)."""
+    model = copy.deepcopy(tiny[0])
+    train_top_layers(model, 1)
+    enable_checkpointing(model)
+    layers = decoder_layers(model)
+    needs_grad = {}
+    for i in (0, len(layers) - 1):
+        layers[i].register_forward_hook(
+            lambda module, args, out, i=i: needs_grad.__setitem__(i, (out[0] if isinstance(out, tuple) else out).requires_grad))
+    ids, mask, response = batch(model.config.vocab_size)
+    backward(model, ids, mask, response)
+    assert needs_grad == {0: False, len(layers) - 1: True}  # no graph through the frozen layer below
 
 
 def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeypatch):
-    """Same weights after one update; the checkpointed update runs full rows (no shared-prompt KV cache)."""
+    """Same gradients, loss and grad norm in one update; the checkpointed update runs full rows (no shared-prompt KV cache)."""
     calls: dict[bool, list] = {False: [], True: []}
     real = trainer_module.policy_forward
-    weights = {}
+    grads, metrics = {}, {}
     for flag in (False, True):
         def recording(*args, _flag=flag, **kw):
             if torch.is_grad_enabled():
@@ -110,21 +133,43 @@ def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeyp
 
         monkeypatch.setattr(trainer_module, "policy_forward", recording)
         config = load_config("bandit", ["model=tiny", "trainer.precision=fp32", f"trainer.output_dir={tmp_path / str(flag)}",
-                                        "trainer.val_episodes=1", "optim.lr=1e-3", f"trainer.gradient_checkpointing={flag}"])
+                                        "trainer.val_episodes=1", f"trainer.gradient_checkpointing={flag}"])
         trainer = StarPOTrainer(config)
+        assert is_checkpointing(trainer.model) is flag
+        trainer.optimizer.step = lambda *a, **k: None  # keep the (clipped) gradients for the comparison
         torch.manual_seed(0)
-        metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
-        assert metrics["actor/grad_norm"] > 0
-        weights[flag] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        metrics[flag] = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
+        grads[flag] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     assert calls[False] and all(p is not None for p in calls[False])  # plain: shared prompts run once
     assert calls[True] and all(p is None for p in calls[True])  # checkpointed: full rows
-    for name, w in weights[False].items():
-        torch.testing.assert_close(weights[True][name], w, rtol=0, atol=1e-6, msg=name)
+    assert metrics[False]["actor/grad_norm"] > 0
+    for key in ("actor/grad_norm", "actor/loss"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5), key
+    assert grads[True].keys() == grads[False].keys() and grads[False]
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def test_shared_prompts_fall_back_to_full_rows_on_a_checkpointed_model(tiny, tokenizer):
+    """decoder_hidden itself refuses the prompt cache on a checkpointed model in training mode."""
+    from tests.train.test_end_to_end import _batch_with_shared_prompts
+
+    model = copy.deepcopy(tiny[0])
+    enable_checkpointing(model)
+    model.train()
+    b = _batch_with_shared_prompts(tokenizer)
+    shared = policy_forward(model, b.input_ids, b.attention_mask, b.response_mask, prompt_lengths=b.response_mask.argmax(dim=1) + 1)
+    plain = policy_forward(model, b.input_ids, b.attention_mask, b.response_mask)
+    torch.testing.assert_close(shared.logprobs, plain.logprobs, rtol=0, atol=0)  # the same full-row pass
 
 
 def test_sft_with_checkpointing_logs_the_plain_run_s_losses(tmp_path):
     data = tmp_path / "bandit.jsonl"
     assert main(["sft", "generate", "bandit", "--n", "6", "--out", str(data)]) == 0
+    for flag in (False, True):
+        config = load_sft_config(None, [f"data.path={data}", "model=tiny", f"trainer.output_dir={tmp_path / f'built_{flag}'}",
+                                        f"trainer.gradient_checkpointing={flag}"])
+        assert is_checkpointing(SFTTrainer(config).model) is flag
     runs = {}
     for flag in ("false", "true"):
         run = tmp_path / f"sft_{flag}"
