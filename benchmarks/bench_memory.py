@@ -184,7 +184,7 @@ def run_child(args) -> dict:
         touch(trainer.model)
         rec.end("read every weight once (mmap paged in)")
         info.update(precision=config.trainer.precision, micro_batch=config.algorithm.micro_batch_size,
-                    vocab=int(head.weight.shape[0]), groups=config.rollout.env_groups, group_size=config.rollout.group_size,
+                    vocab=int(head.weight.shape[0]),
                     max_new_tokens=config.rollout.max_new_tokens, generation_batch=config.rollout.batch_size,
                     lora_rank=config.lora.rank, lora_alpha=config.lora.alpha,
                     checkpointing=config.trainer.gradient_checkpointing)
@@ -239,7 +239,7 @@ def run_name(kind: str, r: dict, long: bool = False) -> str:
     if kind == "load":
         return "load only" if long else "load_model only"
     name = "full fine-tune" if kind.startswith("full") else f"LoRA r={r.get('lora_rank')}" + (f" alpha={r.get('lora_alpha')}" if long else "")
-    return name + (", activation checkpointing" if kind.endswith("-ckpt") else "")
+    return name + (", activation checkpointing" if r.get("checkpointing") else "")  # what the child ran
 
 
 def main(argv: list[str] | None = None) -> int:

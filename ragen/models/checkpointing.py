@@ -6,7 +6,8 @@ per token and layer: fp32 residual-stream and norm outputs, bf16 casts of each l
 MLP's 1 536-wide intermediates), which is what makes twenty-turn FrozenLake chats cost 17–20 GB at
 four chats per micro-batch. With checkpointing only the layer inputs stay (``L × T × H`` fp32,
 76 MB for that chat) and each layer's forward runs once more during the backward pass: about one
-extra forward, i.e. ~1/3 more compute for a full update (docs/performance.md, "Memory").
+extra forward, i.e. ~1/3 more compute for a full update (docs/performance.md, "Activation
+checkpointing on long multi-turn episodes").
 
 This is transformers' own mechanism (``GradientCheckpointingLayer`` with torch's non-reentrant
 ``torch.utils.checkpoint``); this module only switches it on for a plain or peft-wrapped model.
@@ -19,6 +20,7 @@ instead of its shared-prompt cache when checkpointing is on in training mode.
 
 from __future__ import annotations
 
+from ragen.models.freeze import decoder_layers
 from ragen.models.lora import base_model
 
 
@@ -40,6 +42,8 @@ def enable_checkpointing(model) -> None:
 
 
 def is_checkpointing(model) -> bool:
-    """True if any layer of ``model`` is set to checkpoint (the flag transformers sets on each)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in base_model(model).modules())
+    """True if any decoder layer of ``model`` is set to checkpoint (the flag transformers sets on each).
 
+    Asked on every training forward pass (:func:`ragen.train.logprobs.decoder_hidden`), so it reads
+    the decoder's layer list rather than walking every module."""
+    return any(getattr(layer, "gradient_checkpointing", False) is True for layer in decoder_layers(model))

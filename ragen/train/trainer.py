@@ -87,7 +87,7 @@ class StarPOTrainer:
             self.model.to(self.device)  # adapters join their base layers' device
         train_top_layers(self.model, config.optim.trainable_layers)
         if config.trainer.gradient_checkpointing:
-            enable_checkpointing(self.model)  # acts in update() only: train mode with gradients on
+            enable_checkpointing(self.model)  # acts in training mode only, i.e. in update()
         self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         # What rank 0 generates with: the trained model itself, or under FSDP an unsharded replica
         # kept in step by sync_rollout_weights() (a sharded model needs every rank in each forward).
