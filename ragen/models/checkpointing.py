@@ -3,7 +3,7 @@
 Without it the backward pass needs every intermediate the forward pass made: for SmolLM2-135M
 under bf16 autocast about 1 GB of saved tensors per 1 100-token conversation (30 layers × ~30 KB
 per token and layer: fp32 residual-stream and norm outputs, bf16 casts of each linear's input, the
-MLP's 1 536-wide intermediates), which is what makes twenty-turn FrozenLake chats cost 17–20 GB at
+MLP's 1 536-wide intermediates), which is what makes twenty-turn FrozenLake chats cost 17–24 GB at
 four chats per micro-batch. With checkpointing only the layer inputs stay (``L × T × H`` fp32,
 76 MB for that chat) and each layer's forward runs once more during the backward pass: about one
 extra forward, i.e. ~1/3 more compute for a full update (docs/performance.md, "Activation
