@@ -11,7 +11,10 @@ The episodes are exactly those of training validation: envs reset with seeds
 * ``reward_mean``, ``valid_action_rate`` (share of turns whose answer parsed into valid
   actions), ``response_length`` (tokens per turn) -- for both decodings;
 * baselines on the same seeds and turn budget: the random agent and the expert (oracle)
-  agent of :mod:`ragen.envs.agents`; an env without an expert is skipped with a note.
+  agent of :mod:`ragen.envs.agents`; an env without an expert is skipped with a note;
+* ``optimality`` (FrozenLake only, where the optimum is exact): the greedy episodes scored move by
+  move against the optimal policy, giving an unbiased estimate of the greedy policy's success
+  probability with a much smaller standard error than ``success`` (:mod:`ragen.eval.optimality`).
 
 See ``docs/eval.md``.
 """
@@ -119,6 +122,10 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
 
     greedy = play(False, seeds)
     result: dict[str, Any] = {"greedy": _summarise(greedy)}
+    if target.env == "frozen_lake":
+        from ragen.eval.optimality import lake_optimality
+
+        result["optimality"] = lake_optimality(greedy, target.env_config, agent)
     if k > 0:
         sampled_seeds = [s for s in seeds for _ in range(n)]
         sampled = play(True, sampled_seeds)
@@ -221,6 +228,7 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
         "response_length": greedy.get("response_length"),
         "greedy": greedy,
         "sampled": sampled or None,
+        "optimality": model.get("optimality"),
         "baselines": {},
         "notes": notes,
         "examples": {"greedy": model["greedy_examples"], "sampled": model.get("sampled_examples", [])},
@@ -271,9 +279,18 @@ def format_table(report: dict[str, Any]) -> str:
     for name, m in report["baselines"].items():
         label = f"{name} agent" + (" (oracle)" if name == "expert" else "")
         lines.append(f"{label:<24}{'skipped':>9}" if "skipped" in m else row(label, m))
+    opt = report.get("optimality")
+    if opt:
+        lines.append(f"{'model, greedy, value':<24}{_cell(opt['value_estimate']):>9} +- {_cell(opt['value_estimate_se'])}"
+                     f" = {100 * opt['ratio_to_optimum']:.1f} % of the optimum {_cell(opt['optimum'])}"
+                     f" (success {_cell(opt['success'])} +- {_cell(opt['success_se'])};"
+                     f" optimal moves {100 * opt['optimal_move_rate']:.1f} %)")
     lines.append("")
     lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
                  f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
+    if opt:
+        lines.append("value: the greedy policy's success probability estimated from its moves' regret against "
+                     "the exact optimum (performance-difference identity, ragen/eval/optimality.py), +- one standard error.")
     lines.extend(f"note: {note}" for note in report["notes"])
     return "\n".join(lines)
 

@@ -170,3 +170,10 @@ def test_eval_plays_the_configs_validation_tags(tmp_path):
     assert bandit_report["env"] == "bandit" and bandit_report["episodes"] == 3
     assert bandit_report["env_config"] == {"name_set": "test"}
     assert lake_report["baselines"]["expert"]["success"] == 1.0  # deterministic lake: the planner always arrives
+    # FrozenLake episodes are replayed and scored against the exact optimum; on deterministic ice
+    # the value estimate of each episode is its success, so the means agree exactly.
+    optimality = lake_report["optimality"]
+    assert optimality["episodes"] == 2 and optimality["value_estimate"] == pytest.approx(lake_report["success"])
+    assert bandit_report["optimality"] is None
+    assert "model, greedy, value" in format_table(lake_report)
+    assert "model, greedy, value" not in format_table(bandit_report)
