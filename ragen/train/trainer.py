@@ -372,8 +372,8 @@ class StarPOTrainer:
                     temperature=self.config.rollout.temperature, with_entropy=True,
                     entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
                     value_head=self.value_head,
-                    # a checkpointed layer cannot write the shared prompt's KV cache: full rows then
-                    prompt_lengths=None if self.config.trainer.gradient_checkpointing else self.prompt_lengths(micro),
+                    # on a checkpointed model decoder_hidden runs full rows instead (ragen/train/logprobs.py)
+                    prompt_lengths=self.prompt_lengths(micro),
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(
