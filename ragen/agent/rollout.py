@@ -148,7 +148,7 @@ class Rollout:
             self._start(env, seed, gid, name, self._protocol(s), tag)
             for env, seed, gid, name, s, tag in zip(envs, seeds, group_ids, names, per_env, tag_names)
         ]
-        with self._kv_session(episodes):
+        with self._session(episodes):
             while True:
                 active = [ep for ep in episodes if not ep.traj.done]
                 if not active:
@@ -163,13 +163,14 @@ class Rollout:
                     self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
         return [ep.traj for ep in episodes]
 
-    def _kv_session(self, episodes: list[_Episode]):
-        """Let the backend keep KV caches between this run's turns (``full`` prompts extend each other; window ones do not)."""
-        kept = getattr(self.backend, "prefix_cache", None)
-        if kept is None:
+    def _session(self, episodes: list[_Episode]):
+        """The backend's session for this run (``HFBackend.session``: KV caches kept between turns
+        when ``full`` prompts extend each other, packed weights reused); a no-op for other backends."""
+        session = getattr(self.backend, "session", None)
+        if session is None:
             return contextlib.nullcontext()
         multi_turn_full = any(not ep.windowed and ep.settings.max_turn > 1 for ep in episodes)
-        return kept.session(enabled=multi_turn_full)
+        return session(keep_kv=multi_turn_full)
 
     # -- one episode -------------------------------------------------------------------
 

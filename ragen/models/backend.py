@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.device import model_device
 from ragen.models.growing_cache import GrowingLayer, make_growing
+from ragen.models.packed_gemm import PackedLinears
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
@@ -77,7 +78,7 @@ class HFBackend:
     """Batched sampling with ``transformers``' ``generate`` on left-padded prompts.
 
     ``reuse_kv=True`` keeps each row's KV cache between calls made inside one
-    ``prefix_cache.session()`` (one ``Rollout.run``): a prompt that extends an earlier
+    :meth:`session` with ``keep_kv`` (one ``Rollout.run``): a prompt that extends an earlier
     prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`).
 
     ``sampler="inverse_cdf"`` (default) draws sampled tokens with
@@ -85,9 +86,14 @@ class HFBackend:
     ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``.
 
     ``transposed_gemm=True`` (default) computes the plain fp32 CPU ``nn.Linear`` layers (decoder
-    projections and LM head) as ``(W @ hᵀ)ᵀ`` while generating, for calls of up to 256 rows
+    projections and LM head) as ``(W @ hᵀ)ᵀ`` while generating, for calls of up to 128 rows
     (:mod:`ragen.models.transposed_gemm`: the same outputs up to float rounding, a faster GEMM
     layout at decoding's row counts); the model is restored after each call.
+
+    ``packed_gemm=True`` (default), under bf16 autocast on the CPU: the plain ``nn.Linear`` layers
+    run on bf16 weights packed for oneDNN once per weight version instead of reordered on every
+    call (:mod:`ragen.models.packed_gemm`: the same kernel on the same bf16 values; the packs
+    stay between calls and are redone after the weights change).
 
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
@@ -97,11 +103,15 @@ class HFBackend:
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True):
+                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True,
+                 packed_gemm: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.transposed_gemm = transposed_gemm
+        #: bf16 autocast: linears on weights packed once per weight version (ragen/models/packed_gemm.py).
+        self.packed = PackedLinears()
+        self.packed_gemm = packed_gemm
         self.grow_cache = grow_cache
         self.model = model
         self.tokenizer = tokenizer
@@ -119,7 +129,15 @@ class HFBackend:
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``, ``fast_decode``)."""
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode)
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, packed_gemm=r.fast_decode)
+
+    @contextlib.contextmanager
+    def session(self, keep_kv: bool = True):
+        """One rollout's generation calls, during which the weights do not change: KV caches kept
+        between turns (if ``keep_kv`` and ``reuse_kv``) and the packed weights reused across calls."""
+        kv = self.prefix_cache.session(enabled=keep_kv) if self.prefix_cache is not None else contextlib.nullcontext()
+        with kv, self.packed.session():
+            yield self
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -157,7 +175,8 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm):
+            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm), \
+                    self.packed.active(self.model, self.packed_gemm):
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
