@@ -130,7 +130,7 @@ class RolloutConfig:
     #: costs memory for one cache per episode during a rollout.
     reuse_kv: bool = True
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ``, under bf16
-    #: autocast linears on weights packed for oneDNN once per weight version, and a KV cache that
+    #: autocast linears on weights packed for oneDNN once per rollout, and a KV cache that
     #: grows in place (ragen/models/transposed_gemm.py, packed_gemm.py, growing_cache.py). Same tokens
     #: up to float rounding of the logits; false = transformers' plain path.
     fast_decode: bool = True

@@ -15,7 +15,11 @@ moves than the turn allows) or the episode ending with moves left. Every term is
 
     value_estimate = mean over episodes of ( V*_{h_0}(s_0) - regret sum )
 
-is an unbiased estimate of the policy's success probability on these maps. Its error comes
+is an unbiased estimate of the policy's success probability on these maps. The report's
+``optimum`` is the best success probability reachable with the episode's turn structure
+(``LakeSolver.turn_values``: with several moves per turn on slippery ice the state is seen only
+at turn starts, so it can be below ``V*_{h_0}(s_0)``, reported as ``closed_loop_optimum``); with
+one move per turn the two are equal. Its error comes
 only from the moves that were not optimal, so a near-optimal policy is measured to within a
 few percent by episode counts where a success count would be off by ten.
 
@@ -41,13 +45,20 @@ class EpisodeOptimality:
     """One episode against the exact optimum of its map."""
 
     seed: int
-    #: ``V*_{h_0}(s_0)``: the best success probability within the episode's move budget.
+    #: ``V*_{h_0}(s_0)``: the best success probability within the episode's move budget if every
+    #: move could react to the last slip (the estimate's reference).
     optimum: float
+    #: The best success probability reachable with this episode's turns, moves per turn and move
+    #: budget, seeing the state only at turn starts (``LakeSolver.turn_values``); equal to
+    #: ``optimum`` with one move per turn, or on deterministic ice.
+    turn_optimum: float
     #: The regret sum (>= 0); ``optimum - regret`` is this episode's unbiased value estimate.
     regret: float
     success: bool
     moves: int
     optimal_moves: int
+    #: The env's observation text at the end of the replay (checked against the episode's).
+    final_observation: str = ""
 
     @property
     def value_estimate(self) -> float:
@@ -61,7 +72,8 @@ def lake_episode(env_config: dict[str, Any], seed: int, turns: Sequence[Sequence
 
     The budget before a decision is ``min(turns left * actions_per_turn, actions left, the env's
     max_steps - steps)``: what an optimal player could still use. The replay draws the same slips
-    as the original episode (same seed, same actions).
+    as the original episode (same seed, same actions). Raises ``ValueError`` if the moves cannot
+    all be replayed under these limits (more turns or moves than allowed, moves after the end).
     """
     from ragen.envs.frozen_lake import LakeSolver
 
@@ -74,25 +86,30 @@ def lake_episode(env_config: dict[str, Any], seed: int, turns: Sequence[Sequence
     def budget(turns_left: int, steps: int) -> int:
         return max(0, min(turns_left * actions_per_turn, cap - steps))
 
+    if len(turns) > max_turns:
+        raise ValueError(f"seed {seed}: {len(turns)} turns played, {max_turns} allowed")
     steps, done = 0, False
     h = budget(max_turns, 0)
     optimum = float(solver.values(h)[lake.state])
+    turn_optimum = float(solver.turn_values(max_turns, h, actions_per_turn)[lake.state])
     regret, optimal_moves = 0.0, 0
-    for k, actions in enumerate(turns[:max_turns]):
+    for k, actions in enumerate(turns):
         if done:
+            if any(turns[k:]):
+                raise ValueError(f"seed {seed}: moves after the episode ended (turn {k + 1})")
             break
-        for action in actions[:actions_per_turn]:
-            if h <= 0:
-                break
+        if len(actions) > actions_per_turn:
+            raise ValueError(f"seed {seed}: turn {k + 1} made {len(actions)} moves, {actions_per_turn} allowed")
+        for action in actions:
+            if h <= 0 or done:
+                raise ValueError(f"seed {seed}: turn {k + 1} moved past the move budget or the episode's end")
             s = lake.state
             q = solver.q_values(h)[:, s]  # (4,): gym ids 0..3 = env ids 1..4
             regret += float(solver.values(h)[s] - q[action - 1])
             optimal_moves += int(q[action - 1] >= q.max() - TIE)
             _, _, terminated, truncated, _ = lake.step(action)
             steps, h = steps + 1, h - 1
-            if terminated or truncated:
-                done = True
-                break
+            done = terminated or truncated
         # The next turn's budget; a drop without moves (a short or invalid turn) is a jump.
         h_next = 0 if done else budget(max_turns - k - 1, steps)
         if h_next < h:
@@ -101,7 +118,8 @@ def lake_episode(env_config: dict[str, Any], seed: int, turns: Sequence[Sequence
         h = min(h, h_next)
     if not done and h > 0:  # the episode stopped early (fewer turns played than allowed)
         regret += float(solver.values(h)[lake.state] - solver.values(0)[lake.state])
-    return EpisodeOptimality(seed, optimum, regret, lake._cell(lake.state) == "G", steps, optimal_moves)
+    return EpisodeOptimality(seed, optimum, turn_optimum, regret, lake._cell(lake.state) == "G", steps, optimal_moves,
+                             lake._text())
 
 
 def executed_actions(trajectory: Any, env: Any) -> list[list[int]]:
@@ -126,19 +144,26 @@ def lake_optimality(trajectories: Sequence[Any], env_config: dict[str, Any], set
     for traj in trajectories:
         if traj.error:
             continue
-        ep = lake_episode(env_config, traj.seed, executed_actions(traj, env), max_turns=settings.max_turn,
-                          actions_per_turn=settings.max_actions_per_turn,
-                          max_actions=settings.max_actions_per_traj or None)
-        if ep.success != bool(traj.success):
-            raise RuntimeError(f"frozen_lake seed {traj.seed}: the replay ended with success={ep.success}, "
-                               f"the episode with {bool(traj.success)}")
+        try:
+            ep = lake_episode(env_config, traj.seed, executed_actions(traj, env), max_turns=settings.max_turn,
+                              actions_per_turn=settings.max_actions_per_turn,
+                              max_actions=settings.max_actions_per_traj or None)
+        except ValueError as exc:
+            raise RuntimeError(f"frozen_lake: the replay does not reproduce the episode: {exc}") from exc
+        # The replay must be the episode: same outcome, same moves, same final board.
+        final = traj.turns[-1].observation if traj.turns else traj.initial_observation
+        if ep.success != bool(traj.success) or ep.moves != sum(t.actions_executed for t in traj.turns) \
+                or ep.final_observation != final:
+            raise RuntimeError(f"frozen_lake seed {traj.seed}: the replay does not reproduce the episode "
+                               f"(success {ep.success} vs {bool(traj.success)}, moves {ep.moves} vs "
+                               f"{sum(t.actions_executed for t in traj.turns)}, or a different final board)")
         episodes.append(ep)
     if not episodes:
         return None
     n = len(episodes)
     estimates = [ep.value_estimate for ep in episodes]
     successes = [float(ep.success) for ep in episodes]
-    optimum = statistics.fmean(ep.optimum for ep in episodes)
+    optimum = statistics.fmean(ep.turn_optimum for ep in episodes)
     value = statistics.fmean(estimates)
 
     def se(xs: list[float]) -> float:
@@ -148,6 +173,7 @@ def lake_optimality(trajectories: Sequence[Any], env_config: dict[str, Any], set
     return {
         "episodes": n,
         "optimum": optimum,
+        "closed_loop_optimum": statistics.fmean(ep.optimum for ep in episodes),
         "value_estimate": value,
         "value_estimate_se": se(estimates),
         "ratio_to_optimum": value / optimum if optimum > 0 else float("nan"),

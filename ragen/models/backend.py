@@ -91,9 +91,9 @@ class HFBackend:
     layout at decoding's row counts); the model is restored after each call.
 
     ``packed_gemm=True`` (default), under bf16 autocast on the CPU: the plain ``nn.Linear`` layers
-    run on bf16 weights packed for oneDNN once per weight version instead of reordered on every
-    call (:mod:`ragen.models.packed_gemm`: the same kernel on the same bf16 values; the packs
-    stay between calls and are redone after the weights change).
+    run on bf16 weights packed for oneDNN once per :meth:`session` (one rollout), or once per call
+    outside one, instead of reordered on every GEMM (:mod:`ragen.models.packed_gemm`: the same
+    kernel on the same bf16 values). Weights must not change inside a session.
 
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
@@ -109,7 +109,7 @@ class HFBackend:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.transposed_gemm = transposed_gemm
-        #: bf16 autocast: linears on weights packed once per weight version (ragen/models/packed_gemm.py).
+        #: bf16 autocast: linears on weights packed once per session or call (ragen/models/packed_gemm.py).
         self.packed = PackedLinears()
         self.packed_gemm = packed_gemm
         self.grow_cache = grow_cache

@@ -7,7 +7,8 @@ each GEMM. :class:`PackedLinears` does the reorder once per rollout
 (``torch.ops.mkldnn._reorder_linear_weight`` on the bf16 cast, as inductor's CPU freezing
 pass does) and calls ``torch.ops.mkldnn._linear_pointwise`` on the packed weight: the same
 bf16 inputs, the same oneDNN kernel, so the outputs equal autocast's ``F.linear`` (a
-microbenchmark of SmolLM2's shapes at 16 rows: maximum difference 0.0; ``docs/performance.md``).
+microbenchmark of SmolLM2's shapes at 16 rows: maximum difference 0.0; ``docs/performance.md``,
+"Packed bf16 weights").
 
 Packing costs about what autocast's own bf16 cast of the weights costs, so the packs are kept
 for as long as the weights cannot change: inside :meth:`PackedLinears.session` (one
@@ -81,6 +82,8 @@ class PackedLinears:
     def session(self) -> Iterator["PackedLinears"]:
         """Keep packs between generation calls inside this block; the caller promises the weights
         do not change in it (one rollout). Dropped at exit, even on error."""
+        if self._in_session:
+            raise RuntimeError("PackedLinears.session() does not nest: the inner one would drop the outer one's packs")
         self.clear()
         self._in_session = True
         try:
@@ -110,6 +113,8 @@ class PackedLinears:
         generating). Outside a :meth:`session` the packs are dropped at exit. Forward hooks still run.
         """
         on = enabled and _bf16_autocast_on() and not torch.is_grad_enabled() and supported()
+        if not self._in_session:
+            self.clear()  # packs never outlive a call outside a session, even one that failed midway
         switched = [m for m in model.modules() if packable(m)] if on else []
         packs = {id(m): self._pack(m) for m in switched}
 

@@ -6,6 +6,7 @@ checked against the exact success probability of stationary policies.
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import numpy as np
@@ -16,15 +17,18 @@ from hypothesis import strategies as st
 import ragen.envs
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.envs.agents import ExpertAgent, run_episode
-from ragen.envs.frozen_lake import ACTION_LOOKUP, policy_success_probability, LakeSolver
+from ragen.envs.frozen_lake import (ACTION_LOOKUP, LakeSolver, policy_success_probability, success_probability,
+                                    turn_success_probability)
 from ragen.eval.optimality import executed_actions, lake_episode, lake_optimality
 
 SLIPPERY = {"size": 4, "is_slippery": True}
 ICE = {"size": 4, "is_slippery": False}
 
 
-def play(config: dict, seed: int, choose, *, max_turns: int, per_turn: int = 1, max_actions: int | None = None):
-    """Play with ``choose(state, turn) -> list of action ids`` (empty: an invalid turn); the executed ids per turn."""
+def play(config: dict, seed: int, choose, *, max_turns: int, per_turn: int = 1, max_actions: int | None = None,
+         boards: list | None = None):
+    """Play with ``choose(state, turn) -> list of action ids`` (empty: an invalid turn); the executed ids per turn
+    and whether the goal was reached. ``boards`` (if given) gets the observation text after each turn."""
     env = ragen.envs.make("frozen_lake", **config).unwrapped
     env.reset(seed=seed)
     turns, steps, done = [], 0, False
@@ -42,6 +46,8 @@ def play(config: dict, seed: int, choose, *, max_turns: int, per_turn: int = 1, 
                 done = True
                 break
         turns.append(executed)
+        if boards is not None:
+            boards.append(env._text())
         if max_actions is not None and steps >= max_actions:
             break
     return turns, env._cell(env.state) == "G"
@@ -57,6 +63,51 @@ def test_on_deterministic_ice_each_estimate_is_the_episodes_success(seed, moves,
     assert ep.success == success
     assert ep.regret >= -1e-12
     assert ep.value_estimate == pytest.approx(float(success), abs=1e-9)
+
+
+@pytest.mark.parametrize("max_turns,per_turn,cap", [(20, 1, 7), (20, 1, None), (6, 2, 9), (4, 3, None)])
+def test_the_optimum_is_the_budgets_best_success_probability(max_turns, per_turn, cap):
+    for seed in range(5):
+        env = ragen.envs.make("frozen_lake", **SLIPPERY).unwrapped
+        env.reset(seed=seed)
+        ep = lake_episode(SLIPPERY, seed, [], max_turns=max_turns, actions_per_turn=per_turn, max_actions=cap)
+        moves = min(max_turns * per_turn, cap or 10**6, env.config.max_steps)
+        assert ep.optimum == pytest.approx(success_probability(env, moves))
+        assert ep.turn_optimum == pytest.approx(turn_success_probability(env, max_turns, per_turn, moves))
+        assert ep.value_estimate == pytest.approx(0.0)  # no move played: nothing reached
+
+
+def test_an_invalid_first_turn_costs_exactly_one_move_of_budget():
+    # An invalid answer, then the expert: the only regret is the wasted move, V_20(s0) - V_19(s0).
+    agent = ExpertAgent(1)
+    for seed in range(10):
+        env = ragen.envs.make("frozen_lake", **SLIPPERY)
+        result = run_episode(env, agent, seed=seed, max_turns=19, record=True, max_actions_per_turn=1, max_actions=19)
+        ids = [[]] + [[env.unwrapped.parse_action(a) for a in t["actions"]] for t in result["transcript"]]
+        ep = lake_episode(SLIPPERY, seed, ids, max_turns=20, actions_per_turn=1, max_actions=20)
+        solver = LakeSolver(env.unwrapped)
+        start = solver.model.start
+        assert ep.regret == pytest.approx(solver.values(20)[start] - solver.values(19)[start], abs=1e-12)
+        assert ep.success == result["success"]
+
+
+def test_the_expert_has_no_regret_with_several_moves_per_turn_on_deterministic_ice():
+    agent = ExpertAgent(2)
+    for seed in range(10):
+        env = ragen.envs.make("frozen_lake", **ICE)
+        result = run_episode(env, agent, seed=seed, max_turns=4, record=True, max_actions_per_turn=2, max_actions=8)
+        ids = [[env.unwrapped.parse_action(a) for a in t["actions"]][:2] for t in result["transcript"]]
+        ep = lake_episode(ICE, seed, ids, max_turns=4, actions_per_turn=2, max_actions=8)
+        assert ep.regret == pytest.approx(0.0, abs=1e-12) and ep.success == result["success"] and ep.optimum == 1.0
+
+
+def test_moves_the_limits_forbid_are_an_error():
+    with pytest.raises(ValueError, match="turns played"):
+        lake_episode(ICE, 0, [[2]] * 3, max_turns=2, actions_per_turn=1, max_actions=None)
+    with pytest.raises(ValueError, match="allowed"):
+        lake_episode(ICE, 0, [[2, 2]], max_turns=2, actions_per_turn=1, max_actions=None)
+    with pytest.raises(ValueError, match="budget"):
+        lake_episode(ICE, 0, [[2], [2]], max_turns=2, actions_per_turn=1, max_actions=1)
 
 
 def test_the_expert_has_no_regret_and_scores_the_optimum():
@@ -122,19 +173,27 @@ def test_lake_optimality_reads_rollout_trajectories_and_rejects_a_wrong_replay()
     settings_ = AgentSettings(max_turn=6, max_actions_per_turn=2, max_actions_per_traj=8)
     trajs = []
     for seed in range(5):
+        boards: list[str] = []
         turns, success = play(SLIPPERY, seed, lambda s, k: [3, 2] if k % 3 else [], max_turns=6, per_turn=2,
-                              max_actions=8)
+                              max_actions=8, boards=boards)
         traj = Trajectory("frozen_lake", seed, seed, success=success)
-        for ids in turns:
+        for ids, board in zip(turns, boards):
             names = [ACTION_LOOKUP[a] for a in ids] if ids else ["Jump"]
             traj.turns.append(Turn(response="", actions=names, format_valid=bool(ids), env_reward=0.0,
-                                   format_penalty=0.0, actions_executed=len(ids)))
+                                   format_penalty=0.0, observation=board, actions_executed=len(ids)))
         assert executed_actions(traj, ragen.envs.make("frozen_lake", **SLIPPERY)) == turns
         trajs.append(traj)
     report = lake_optimality(trajs, SLIPPERY, settings_)
     assert report["episodes"] == 5 and 0 <= report["optimal_move_rate"] <= 1
     assert report["regret_mean"] > 0  # a third of the turns wasted
     assert report["success"] == statistics.fmean(float(t.success) for t in trajs)
-    trajs[0].success = not trajs[0].success
-    with pytest.raises(RuntimeError, match="replay"):
-        lake_optimality(trajs, SLIPPERY, settings_)
+    for tamper in ("success", "moves", "board"):
+        broken = copy.deepcopy(trajs)
+        if tamper == "success":
+            broken[0].success = not broken[0].success
+        elif tamper == "moves":
+            broken[1].turns[1].actions_executed -= 1  # a move the env made is missing from the record
+        else:
+            broken[2].turns[-1].observation = "P___\n____\n____\n___G"
+        with pytest.raises(RuntimeError, match="replay"):
+            lake_optimality(broken, SLIPPERY, settings_)

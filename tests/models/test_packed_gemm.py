@@ -128,11 +128,45 @@ def test_only_plain_linears_under_bf16_autocast_without_grad_are_switched(tiny):
             assert len(switched) == plain
     with torch.autocast("cpu", dtype=torch.bfloat16), packs.active(model) as switched:
         assert switched == []  # gradients on: training keeps nn.Linear
-    lora = apply_lora(copy.deepcopy(model), rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packs.active(lora) as switched:
-        # peft's LoRA layer keeps its forward; the plain base layer and A/B inside it are packed
-        assert not any(packable(m) for m in lora.modules() if "lora" in type(m).__module__.lower() and type(m) is not torch.nn.Linear)
-        assert len(switched) == sum(1 for m in lora.modules() if type(m) is torch.nn.Linear)
+
+
+def test_lora_models_generate_the_same_tokens_and_logits_packed(tiny):
+    model, tokenizer = tiny
+    lora = apply_lora(copy.deepcopy(model), rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # peft starts B at zero: make the adapters matter
+    prompts = [tokenizer("The arms are Apple and Stuntman.")["input_ids"], tokenizer("Hi")["input_ids"]]
+    params = SamplingParams(max_new_tokens=8, do_sample=False)
+    results = {}
+    for packed in (False, True):
+        backend = HFBackend(lora, tokenizer, precision="bf16", packed_gemm=packed, reuse_kv=False)
+        seen, handle = head_outputs(lora)
+        try:
+            results[packed] = ([g.token_ids for g in backend.generate(prompts, params)], seen)
+        finally:
+            handle.remove()
+        # the plain base layers and the adapters' A/B linears inside peft's LoRA layers are packed
+        assert backend.packed.packed_count == (sum(1 for m in lora.modules() if type(m) is torch.nn.Linear) if packed else 0)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_session_drops_its_packs_on_error_and_does_not_nest(tiny):
+    model, tokenizer = tiny
+    backend = HFBackend(model, tokenizer, precision="bf16", reuse_kv=False)
+    prompts = [tokenizer("Hi")["input_ids"]]
+    with pytest.raises(RuntimeError, match="boom"):
+        with backend.session():
+            backend.generate(prompts, SamplingParams(max_new_tokens=2, do_sample=False))
+            assert backend.packed._packs
+            raise RuntimeError("boom")
+    assert not backend.packed._packs
+    with backend.session(), pytest.raises(RuntimeError, match="nest"):
+        with backend.session():
+            pass
 
 
 def test_linears_are_restored_on_error(tiny):
