@@ -1,9 +1,8 @@
-"""Decode levers side by side: linears as ``(W @ hᵀ)ᵀ``, a KV cache that grows in place, packed bf16 weights (issue 7).
+"""Decode levers side by side: linears as ``(W @ hᵀ)ᵀ`` and a KV cache that grows in place (issue 7).
 
     .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~8 min on a quiet machine
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections prefill   # the MAX_ROWS bound, ~1 min
-    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections packed    # bf16: packed weights, ~3 min
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -33,14 +32,6 @@ machine slows both alike. Sections (``--sections``):
     (``transposed_gemm=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
     match. Generated tok/s and MFU = 2·N·tokens / decode seconds / fp32 matmul peak (2048³,
     best of before/after the section, as ``bench_roofline.py``).
-``packed``
-    bf16 autocast (``precision=bf16``), ``HFBackend.generate`` as in ``generate`` but inside
-    ``HFBackend.session()`` as a rollout calls it, ``packed_gemm`` off vs on (other levers at their
-    defaults); the timed wall time includes packing the weights (once per session). Also
-    ``--turns`` calls of ``--turn-tokens`` tokens in one session (a multi-turn rollout's shape,
-    same prompts each call, KV reuse off): the packs are made once for all of them. The tokens
-    must match. MFU against the bf16 matmul peak (2048³, ``A @ Bᵀ``) measured in the same run.
-
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
 """
@@ -236,57 +227,12 @@ def generate_section(torch, model, tokenizer, args) -> None:
     model.generation_config.min_new_tokens = None
 
 
-def packed_section(torch, model, tokenizer, args) -> None:
-    from ragen.models.backend import HFBackend, SamplingParams
-
-    n_params = sum(p.numel() for p in model.parameters())
-    arms = ["unpacked", "packed"]
-    print(f"\n[packed] bf16 autocast, HFBackend.generate inside HFBackend.session(), packed_gemm off/on, "
-          f"{args.rounds} alternated rounds (+1 warm-up); wall time includes packing")
-    shapes = [(B, 1, args.new_tokens) for B in args.batches] + [(16, args.turns, args.turn_tokens)]
-    for B, turns, new_tokens in shapes:
-        texts = [f"Game {i}: you are playing a bandit game. Two arms: Apple and Stuntman. Each arm pays a random reward. "
-                 "Think step by step, then answer inside <answer></answer>. " * 4 for i in range(max(1, B // 4))]
-        prompts = [tokenizer(t)["input_ids"][: args.prompt_len] for t in texts for _ in range(4)][:B]
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8)
-        model.generation_config.min_new_tokens = new_tokens
-        p0 = matmul_gflops(torch, torch.bfloat16, 2048, "A@B^T", 3)
-        times, decode, tokens = {a: [] for a in arms}, {a: [] for a in arms}, {}
-        for r, arm in alternate(arms, args.rounds + 1):
-            backend = HFBackend(model, tokenizer, precision="bf16", reuse_kv=False, packed_gemm=arm == "packed")
-            torch.manual_seed(0)
-            start = time.perf_counter()
-            with backend.session():
-                out = [[g.token_ids for g in backend.generate(prompts, params)] for _ in range(turns)]
-            wall = time.perf_counter() - start
-            tokens[arm] = out
-            if r > 0:
-                times[arm].append(wall)
-                decode[arm].append(backend.stats.decode_s)
-            print(f"    round {r}{' (warm-up)' if r == 0 else ''} {arm}: wall {wall:.2f} s, decode {backend.stats.decode_s:.2f} s, "
-                  f"prefill {backend.stats.prefill_s:.2f} s, packed {backend.packed.packed_count} weights, "
-                  f"load {os.getloadavg()[0]:.2f}", flush=True)
-        p1 = matmul_gflops(torch, torch.bfloat16, 2048, "A@B^T", 3)
-        bf16_peak = max(p0, p1)
-        generated = sum(len(t) for call in tokens["packed"] for t in call)
-        line = []
-        for arm in arms:
-            s = statistics.median(times[arm])
-            mfu = 2 * n_params * generated / statistics.median(decode[arm]) / (bf16_peak * 1e9)
-            line.append(f"{arm} {s:.2f} s ({generated / s:.1f} tok/s; decode-only MFU {mfu:.1%})")
-        ratio = statistics.median(times["unpacked"]) / statistics.median(times["packed"])
-        print(f"  batch {B}, {turns} call(s) x {new_tokens} tokens: " + ", ".join(line) + f"; ratio {ratio:.2f}x; "
-              f"same tokens: {tokens['packed'] == tokens['unpacked']}; bf16 peak {bf16_peak:.0f} GFLOP/s "
-              f"(before {p0:.0f}, after {p1:.0f})", flush=True)
-    model.generation_config.min_new_tokens = None
-
-
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"], choices=["gemm", "steps", "prefill", "generate", "packed"])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"], choices=["gemm", "steps", "prefill", "generate"])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
     ap.add_argument("--update-rows", type=int, nargs="*", default=[128, 512, 1024])
@@ -296,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--step-count", type=int, default=8, help="decode steps per arm per round (steps section)")
     ap.add_argument("--rounds", type=int, default=3, help="timed alternated rounds per comparison")
-    ap.add_argument("--turns", type=int, default=5, help="calls in one session (packed section's multi-turn shape)")
-    ap.add_argument("--turn-tokens", type=int, default=8, help="new tokens per call in that shape")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
@@ -326,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
             steps_section(torch, model, tokenizer, args)
         elif name == "prefill":
             prefill_section(torch, model, tokenizer, args)
-        elif name == "packed":
-            packed_section(torch, model, tokenizer, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)

@@ -129,10 +129,9 @@ class RolloutConfig:
     #: (``context_mode=full``, HF engine; ``ragen/models/prefix_cache.py``). Same tokens either way;
     #: costs memory for one cache per episode during a rollout.
     reuse_kv: bool = True
-    #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ``, under bf16
-    #: autocast linears on weights packed for oneDNN once per rollout, and a KV cache that
-    #: grows in place (ragen/models/transposed_gemm.py, packed_gemm.py, growing_cache.py). Same tokens
-    #: up to float rounding of the logits; false = transformers' plain path.
+    #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ`` and a KV cache
+    #: that grows in place (ragen/models/transposed_gemm.py, growing_cache.py). Same tokens up to float
+    #: rounding of the logits; false = transformers' plain path.
     fast_decode: bool = True
     #: Where episodes are played: ``local`` (in the trainer's process) or ``ray`` (``num_workers``
     #: Ray actors, each holding env slots and a policy replica; see docs/scaling.md).

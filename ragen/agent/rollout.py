@@ -165,7 +165,7 @@ class Rollout:
 
     def _session(self, episodes: list[_Episode]):
         """The backend's session for this run (``HFBackend.session``: KV caches kept between turns
-        when ``full`` prompts extend each other, packed weights reused); a no-op for other backends."""
+        when ``full`` prompts extend each other); a no-op for other backends."""
         session = getattr(self.backend, "session", None)
         if session is None:
             return contextlib.nullcontext()

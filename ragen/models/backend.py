@@ -20,7 +20,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.device import model_device
 from ragen.models.growing_cache import GrowingLayer, make_growing
-from ragen.models.packed_gemm import PackedLinears
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
@@ -90,11 +89,6 @@ class HFBackend:
     (:mod:`ragen.models.transposed_gemm`: the same outputs up to float rounding, a faster GEMM
     layout at decoding's row counts); the model is restored after each call.
 
-    ``packed_gemm=True`` (default), under bf16 autocast on the CPU: the plain ``nn.Linear`` layers
-    run on bf16 weights packed for oneDNN once per :meth:`session` (one rollout), or once per call
-    outside one, instead of reordered on every GEMM (:mod:`ragen.models.packed_gemm`: the same
-    kernel on the same bf16 values). Weights must not change inside a session.
-
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
     ``torch.cat`` of the whole cache per decode step).
@@ -103,15 +97,11 @@ class HFBackend:
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True,
-                 packed_gemm: bool = True):
+                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.transposed_gemm = transposed_gemm
-        #: bf16 autocast: linears on weights packed once per session or call (ragen/models/packed_gemm.py).
-        self.packed = PackedLinears()
-        self.packed_gemm = packed_gemm
         self.grow_cache = grow_cache
         self.model = model
         self.tokenizer = tokenizer
@@ -129,14 +119,13 @@ class HFBackend:
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``, ``fast_decode``)."""
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, packed_gemm=r.fast_decode)
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
-        """One rollout's generation calls, during which the weights do not change: KV caches kept
-        between turns (if ``keep_kv`` and ``reuse_kv``) and the packed weights reused across calls."""
+        """One rollout's generation calls: KV caches kept between turns (if ``keep_kv`` and ``reuse_kv``)."""
         kv = self.prefix_cache.session(enabled=keep_kv) if self.prefix_cache is not None else contextlib.nullcontext()
-        with kv, self.packed.session():
+        with kv:
             yield self
 
     @torch.no_grad()
@@ -175,8 +164,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm), \
-                    self.packed.active(self.model, self.packed_gemm):
+            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm):
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
