@@ -32,6 +32,7 @@ machine slows both alike. Sections (``--sections``):
     (``transposed_gemm=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
     match. Generated tok/s and MFU = 2·N·tokens / decode seconds / fp32 matmul peak (2048³,
     best of before/after the section, as ``bench_roofline.py``).
+
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
 """

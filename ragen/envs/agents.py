@@ -65,6 +65,19 @@ class Budget:
         """The budget of :class:`ragen.agent.rollout.AgentSettings` (``max_actions_per_traj`` 0 = no cap)."""
         return cls(settings.max_turn, settings.max_actions_per_turn, settings.max_actions_per_traj or None)
 
+    def moves_left(self, turns_left: int | None, steps_taken: int, per_turn: int | None,
+                   max_steps: int | None) -> int | None:
+        """Moves the episode can still make: the least of the action cap and the env's ``max_steps``,
+        each less the ``steps_taken`` so far, and ``turns_left`` times ``per_turn`` (None: unbounded)."""
+        caps = []
+        if self.max_actions is not None:
+            caps.append(self.max_actions - steps_taken)
+        if turns_left is not None and per_turn is not None:
+            caps.append(turns_left * per_turn)
+        if max_steps is not None:
+            caps.append(int(max_steps) - steps_taken)
+        return max(0, min(caps)) if caps else None
+
 
 class Agent:
     """Base class: ``act(env)`` returns the action strings of one turn."""
@@ -164,18 +177,9 @@ class ExpertAgent(Agent):
         budget = self.budget
         if budget is None:
             return None, None
-        raw = env.unwrapped
         turns_left = None if budget.max_turns is None else max(0, budget.max_turns - self.turns_played)
-        caps = []
-        if budget.max_actions is not None:
-            caps.append(budget.max_actions - steps_taken)
-        per_turn = self.turn_cap(env) or answer_len
-        if turns_left is not None and per_turn is not None:
-            caps.append(turns_left * per_turn)
-        max_steps = getattr(getattr(raw, "config", None), "max_steps", None)
-        if max_steps is not None:
-            caps.append(int(max_steps) - steps_taken)
-        return turns_left, (max(0, min(caps)) if caps else None)
+        max_steps = getattr(getattr(env.unwrapped, "config", None), "max_steps", None)
+        return turns_left, budget.moves_left(turns_left, steps_taken, self.turn_cap(env) or answer_len, max_steps)
 
     def plan(self, env: Any) -> list[str]:
         """Every action the expert would take from the current state (as far as it can tell)."""

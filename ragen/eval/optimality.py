@@ -47,12 +47,12 @@ class EpisodeOptimality:
     seed: int
     #: ``V*_{h_0}(s_0)``: the best success probability within the episode's move budget if every
     #: move could react to the last slip (the estimate's reference).
-    optimum: float
+    closed_loop_optimum: float
     #: The best success probability reachable with this episode's turns, moves per turn and move
     #: budget, seeing the state only at turn starts (``LakeSolver.turn_values``); equal to
-    #: ``optimum`` with one move per turn, or on deterministic ice.
+    #: ``closed_loop_optimum`` with one move per turn, or on deterministic ice.
     turn_optimum: float
-    #: The regret sum (>= 0); ``optimum - regret`` is this episode's unbiased value estimate.
+    #: The regret sum (>= 0); ``closed_loop_optimum - regret`` is this episode's unbiased value estimate.
     regret: float
     success: bool
     moves: int
@@ -62,7 +62,7 @@ class EpisodeOptimality:
 
     @property
     def value_estimate(self) -> float:
-        return self.optimum - self.regret
+        return self.closed_loop_optimum - self.regret
 
 
 def lake_episode(env_config: dict[str, Any], seed: int, turns: Sequence[Sequence[int]], *, max_turns: int,
@@ -75,16 +75,17 @@ def lake_episode(env_config: dict[str, Any], seed: int, turns: Sequence[Sequence
     as the original episode (same seed, same actions). Raises ``ValueError`` if the moves cannot
     all be replayed under these limits (more turns or moves than allowed, moves after the end).
     """
+    from ragen.envs.agents import Budget
     from ragen.envs.frozen_lake import LakeSolver
 
     env = ragen.envs.make("frozen_lake", **env_config)
     lake = env.unwrapped
     lake.reset(seed=seed)
     solver = LakeSolver(lake)
-    cap = lake.config.max_steps if max_actions is None else min(max_actions, lake.config.max_steps)
+    limits = Budget(max_turns, actions_per_turn, max_actions)
 
-    def budget(turns_left: int, steps: int) -> int:
-        return max(0, min(turns_left * actions_per_turn, cap - steps))
+    def budget(turns_left: int, steps: int) -> int:  # the expert plans with the same count (ExpertAgent.remaining)
+        return limits.moves_left(turns_left, steps, actions_per_turn, lake.config.max_steps)
 
     if len(turns) > max_turns:
         raise ValueError(f"seed {seed}: {len(turns)} turns played, {max_turns} allowed")
@@ -150,13 +151,12 @@ def lake_optimality(trajectories: Sequence[Any], env_config: dict[str, Any], set
                               max_actions=settings.max_actions_per_traj or None)
         except ValueError as exc:
             raise RuntimeError(f"frozen_lake: the replay does not reproduce the episode: {exc}") from exc
-        # The replay must be the episode: same outcome, same moves, same final board.
+        # The replay must be the episode: same outcome and final board (it replays exactly the
+        # executed moves, or lake_episode raised above).
         final = traj.turns[-1].observation if traj.turns else traj.initial_observation
-        if ep.success != bool(traj.success) or ep.moves != sum(t.actions_executed for t in traj.turns) \
-                or ep.final_observation != final:
+        if ep.success != bool(traj.success) or ep.final_observation != final:
             raise RuntimeError(f"frozen_lake seed {traj.seed}: the replay does not reproduce the episode "
-                               f"(success {ep.success} vs {bool(traj.success)}, moves {ep.moves} vs "
-                               f"{sum(t.actions_executed for t in traj.turns)}, or a different final board)")
+                               f"(success {ep.success} vs {bool(traj.success)}, or a different final board)")
         episodes.append(ep)
     if not episodes:
         return None
@@ -173,7 +173,7 @@ def lake_optimality(trajectories: Sequence[Any], env_config: dict[str, Any], set
     return {
         "episodes": n,
         "optimum": optimum,
-        "closed_loop_optimum": statistics.fmean(ep.optimum for ep in episodes),
+        "closed_loop_optimum": statistics.fmean(ep.closed_loop_optimum for ep in episodes),
         "value_estimate": value,
         "value_estimate_se": se(estimates),
         "ratio_to_optimum": value / optimum if optimum > 0 else float("nan"),

@@ -72,7 +72,7 @@ def test_the_optimum_is_the_budgets_best_success_probability(max_turns, per_turn
         env.reset(seed=seed)
         ep = lake_episode(SLIPPERY, seed, [], max_turns=max_turns, actions_per_turn=per_turn, max_actions=cap)
         moves = min(max_turns * per_turn, cap or 10**6, env.config.max_steps)
-        assert ep.optimum == pytest.approx(success_probability(env, moves))
+        assert ep.closed_loop_optimum == pytest.approx(success_probability(env, moves))
         assert ep.turn_optimum == pytest.approx(turn_success_probability(env, max_turns, per_turn, moves))
         assert ep.value_estimate == pytest.approx(0.0)  # no move played: nothing reached
 
@@ -98,7 +98,7 @@ def test_the_expert_has_no_regret_with_several_moves_per_turn_on_deterministic_i
         result = run_episode(env, agent, seed=seed, max_turns=4, record=True, max_actions_per_turn=2, max_actions=8)
         ids = [[env.unwrapped.parse_action(a) for a in t["actions"]][:2] for t in result["transcript"]]
         ep = lake_episode(ICE, seed, ids, max_turns=4, actions_per_turn=2, max_actions=8)
-        assert ep.regret == pytest.approx(0.0, abs=1e-12) and ep.success == result["success"] and ep.optimum == 1.0
+        assert ep.regret == pytest.approx(0.0, abs=1e-12) and ep.success == result["success"] and ep.closed_loop_optimum == 1.0
 
 
 def test_moves_the_limits_forbid_are_an_error():
