@@ -18,6 +18,7 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
+from ragen.models.decode_attention import decode_attention_for
 from ragen.models.device import model_device
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
@@ -92,17 +93,24 @@ class HFBackend:
     ``grow_cache=True`` (default) gives ``generate`` a KV cache that grows in place
     (:mod:`ragen.models.growing_cache`: room for every token the call may write, no
     ``torch.cat`` of the whole cache per decode step).
+
+    ``decode_attention=True`` (default) runs a CPU ``sdpa`` model's one-token decode attention as
+    two small matmuls instead of torch's flash kernel (:mod:`ragen.models.decode_attention`: the
+    same quantity with an fp32 softmax; prefill and training keep ``sdpa``). All three follow
+    ``rollout.fast_decode``.
     """
 
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True):
+                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True,
+                 decode_attention: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.transposed_gemm = transposed_gemm
         self.grow_cache = grow_cache
+        self.decode_attention = decode_attention
         self.model = model
         self.tokenizer = tokenizer
         self.precision = precision
@@ -119,7 +127,7 @@ class HFBackend:
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``, ``fast_decode``)."""
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode)
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
@@ -164,7 +172,8 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm):
+            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm), \
+                    decode_attention_for(self.model, self.decode_attention):
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+import ragen.models.decode_attention as decode_attention
 import ragen.models.transposed_gemm as transposed_gemm
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -63,7 +64,7 @@ def test_fast_decode_false_turns_both_levers_off(tiny, tmp_path):
     for on in (True, False):
         config = load_config("bandit", ["model=tiny", f"rollout.fast_decode={str(on).lower()}", f"trainer.output_dir={tmp_path}"])
         backend = HFBackend.from_config(model, tokenizer, config)
-        assert backend.transposed_gemm is on and backend.grow_cache is on
+        assert backend.transposed_gemm is on and backend.grow_cache is on and backend.decode_attention is on
 
 
 def capture_head(model):
@@ -91,9 +92,11 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
     params = SamplingParams(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
     runs = {}
     for levers in (False, True):
-        backend = HFBackend(model, tokenizer, precision="fp32", transposed_gemm=levers, grow_cache=levers)
+        backend = HFBackend(model, tokenizer, precision="fp32", transposed_gemm=levers, grow_cache=levers,
+                            decode_attention=levers)
         gemm_calls = count_calls(monkeypatch, transposed_gemm, "transposed_linear")
         grow_updates = count_calls(monkeypatch, GrowingLayer, "update")
+        attention_calls = count_calls(monkeypatch, decode_attention, "one_query_attention")
         seen, handle = capture_head(model)
         try:
             torch.manual_seed(0)
@@ -105,7 +108,10 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
         # each forward calls every linear once; all calls here are short enough for the lever
         assert len(gemm_calls) == (len(seen) * linear_count(model) if levers else 0)
         assert bool(grow_updates) == levers
+        # every decode step (each head call but the shared prefill's) attends in every layer with one query
+        assert len(attention_calls) == ((len(seen) - 1) * model.config.num_hidden_layers if levers else 0)
         assert not any("forward" in vars(m) for m in model.modules())  # every linear is restored after generate
+        assert model.config._attn_implementation == "sdpa"  # and the attention implementation
     (plain, plain_logits), (fast, fast_logits) = runs[False], runs[True]
     assert [g.token_ids for g in fast] == [g.token_ids for g in plain]
     assert [g.finish_reason for g in fast] == [g.finish_reason for g in plain]
