@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~8 min on a quiet machine
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections prefill   # the MAX_ROWS bound, ~1 min
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections attention # decode_attention off/on, ~3 min
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -32,6 +33,12 @@ machine slows both alike. Sections (``--sections``):
     (``transposed_gemm=False, grow_cache=False``) vs on (the defaults), same seed: the tokens must
     match. Generated tok/s and MFU = 2·N·tokens / decode seconds / fp32 matmul peak (2048³,
     best of before/after the section, as ``bench_roofline.py``).
+``attention``
+    ``HFBackend.generate`` with ``decode_attention`` off (transformers' ``sdpa``) vs on
+    (:mod:`ragen.models.decode_attention`), at ``--precision`` (auto: bf16 where the CPU has it),
+    once with prompts of equal length (no padding: transformers passes no mask) and once with
+    lengths that differ (a padding mask); median decode seconds, the ratio, and how many rows
+    sampled the same tokens (bf16 rounding may change some).
 
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
@@ -228,12 +235,44 @@ def generate_section(torch, model, tokenizer, args) -> None:
     model.generation_config.min_new_tokens = None
 
 
+def attention_section(torch, model, tokenizer, args) -> None:
+    """``decode_attention`` off/on (:mod:`ragen.models.decode_attention`), at the run's precision, with and without padding."""
+    from ragen.models.backend import HFBackend, SamplingParams
+    from ragen.models.precision import resolve_precision
+
+    precision = resolve_precision(args.precision)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8)
+    model.generation_config.min_new_tokens = args.new_tokens
+    print(f"\n[attention] HFBackend.generate with decode_attention off/on, {precision}, groups of 4 rows per prompt, "
+          f"exactly {args.new_tokens} new tokens, {args.rounds} alternated rounds (+1 warm-up), seed 0 per call")
+    for B in args.batches:
+        for layout in ("equal lengths (no padding mask)", "lengths differ (padding mask)"):
+            words = [14 + (3 * g % 11 if layout.startswith("lengths differ") else 0) for g in range(max(1, B // 4))]
+            texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
+            prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+            times, tokens = {False: [], True: []}, {}
+            for r, on in alternate([False, True], args.rounds + 1):
+                backend = HFBackend(model, tokenizer, precision=precision, decode_attention=on)
+                torch.manual_seed(0)
+                tokens[on] = [g.token_ids for g in backend.generate(prompts, params)]
+                if r > 0:
+                    times[on].append(backend.stats.decode_s)
+            off, on = statistics.median(times[False]), statistics.median(times[True])
+            same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+            lens = sorted(len(p) for p in prompts)
+            print(f"  batch {B}, {layout}, prompts {lens[0]}-{lens[-1]} tokens: decode sdpa {off:.2f} s, "
+                  f"decode_attention {on:.2f} s, ratio {off / on:.2f}x; rows with identical tokens {same}/{B}", flush=True)
+    model.generation_config.min_new_tokens = None
+
+
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"], choices=["gemm", "steps", "prefill", "generate"])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"],
+                    choices=["gemm", "steps", "prefill", "generate", "attention"])
+    ap.add_argument("--precision", default="auto", help="attention section: trainer.precision (auto: bf16 where the CPU has it)")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
     ap.add_argument("--update-rows", type=int, nargs="*", default=[128, 512, 1024])
@@ -271,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             steps_section(torch, model, tokenizer, args)
         elif name == "prefill":
             prefill_section(torch, model, tokenizer, args)
+        elif name == "attention":
+            attention_section(torch, model, tokenizer, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)

@@ -1,12 +1,14 @@
 """Attention for one query token as two small matmuls, for decoding on the CPU.
 
 During decoding each sequence brings one new token: attention is ``softmax(q kᵀ · s + mask) v`` with
-``q`` of shape ``(B, H, 1, D)`` against the cache's ``(B, H_kv, L, D)``. torch's CPU "flash" kernel
-for ``scaled_dot_product_attention`` is built for long queries; for one query it spends most of its
-time in per-block setup. Measured on a 2-core AMD EPYC (AVX-512 BF16, no AMX), SmolLM2's decode
-shape (9 query heads, 3 KV heads, D = 64, L ≈ 135), bf16: 1.6-1.8 ms per call at batch 32, against
-~0.1-0.2 ms for the matmuls below; at 30 layers × 32 decode steps that was ~45 % of ``generate``
-(``docs/performance.md``, "Decode attention").
+``q`` of shape ``(B, H, 1, D)`` against the cache's ``(B, H_kv, L, D)``. When every row has the same
+length, transformers passes no mask and asks torch's CPU "flash" kernel for grouped-query attention
+with one query per head, which is slow on a CPU: measured on a 2-core AMD EPYC (AVX-512 BF16, no
+AMX) at SmolLM2's decode shape (9 query heads, 3 KV heads, D = 64, L ≈ 135, bf16), 1.6-1.8 ms per
+call at batch 32 against ~0.1-0.2 ms for the two matmuls below, and ``generate``'s decode time
+1.53× (batch 16) and 1.78× (batch 32) that of this path. With a padding mask transformers packs
+the query heads per KV head first and the kernel is as fast as this path (0.98-1.03×).
+``benchmarks/bench_decode.py --sections attention``; ``docs/performance.md``, "Decode attention".
 
 :func:`decode_attention` computes the same quantity (grouped-query heads without copying the KV
 heads, softmax in fp32 like the flash kernel's accumulators; inputs upcast to fp32, so it is, if
