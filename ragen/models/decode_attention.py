@@ -7,13 +7,14 @@ with one query per head, which is slow on a CPU: measured on a 2-core AMD EPYC (
 AMX) at SmolLM2's decode shape (9 query heads, 3 KV heads, D = 64, L ≈ 135, bf16), 1.6-1.8 ms per
 call at batch 32 against ~0.1-0.2 ms for the two matmuls below, and ``generate``'s decode time
 1.53× (batch 16) and 1.78× (batch 32) that of this path. With a padding mask transformers packs
-the query heads per KV head first and the kernel is as fast as this path (0.98-1.03×).
+the query heads per KV head first and the kernel is as fast as this path (0.98-1.03×), so masked
+calls stay with ``sdpa``.
 ``benchmarks/bench_decode.py --sections attention``; ``docs/performance.md``, "Decode attention".
 
 :func:`decode_attention` computes the same quantity (grouped-query heads without copying the KV
 heads, softmax in fp32 like the flash kernel's accumulators; inputs upcast to fp32, so it is, if
 anything, less rounded than the bf16 kernel) and hands every other call (prompt prefill, training,
-dropout, soft-capping, attention sinks, any extra argument it does not know) to transformers' own
+a padding mask, dropout, soft-capping, attention sinks, any extra argument it does not know) to transformers' own
 ``sdpa`` function unchanged. :func:`decode_attention_for` switches a model to it for a ``with``
 block -- :class:`~ragen.models.backend.HFBackend` does so around ``generate`` -- and back on exit.
 """
@@ -37,24 +38,16 @@ _HARMLESS_KWARGS = {"position_ids", "cache_position", "output_attentions", "use_
                     "position_embeddings", "sliding_window"}
 
 
-def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """``softmax(q kᵀ · scaling + mask) v`` for one query token per row; returns ``(B, 1, H, D)`` like ``sdpa``.
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``softmax(q kᵀ · scaling) v`` for one query token per row, unmasked; returns ``(B, 1, H, D)`` like ``sdpa``.
 
     ``query`` is ``(B, H, 1, D)``; ``key``/``value`` are ``(B, H_kv, L, D)`` with ``H = g · H_kv``
-    (query head ``h`` reads KV head ``h // g``, as transformers' ``repeat_kv``); ``attention_mask``
-    is ``None``, boolean (True = attend) or additive float, broadcastable to ``(B, 1, 1, L)``.
+    (query head ``h`` reads KV head ``h // g``, as transformers' ``repeat_kv``).
     """
     B, H, _, D = query.shape
-    kv_heads, L = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     q = query.float().reshape(B, kv_heads, H // kv_heads, D)  # (B, H_kv, g, D): a KV head's query heads together
     scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, H_kv, g, L)
-    if attention_mask is not None:
-        mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, L)  # (B|1, 1, 1, L), shared by all heads
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.float()
     probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, L)
     out = torch.matmul(probs, value.float())  # (B, H_kv, g, D)
     return out.reshape(B, 1, H, D).to(query.dtype)  # (B, 1, H, D): sdpa's layout after its transpose
@@ -64,22 +57,19 @@ def _fits(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float
     """True when :func:`one_query_attention` computes exactly what ``sdpa`` would for this call."""
     if query.shape[2] != 1 or query.shape[1] % key.shape[1] != 0 or key.shape[-1] != query.shape[-1]:
         return False
-    if dropout != 0.0 or torch.is_grad_enabled() or query.device.type != "cpu":
-        return False
-    if attention_mask is not None and (attention_mask.ndim != 4 or attention_mask.shape[1] != 1
-                                       or attention_mask.shape[2] != 1 or attention_mask.shape[-1] != key.shape[2]):
+    if attention_mask is not None or dropout != 0.0 or torch.is_grad_enabled() or query.device.type != "cpu":
         return False
     return all(k in _HARMLESS_KWARGS or v is None or v is False for k, v in kwargs.items())
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs):
-    """transformers attention function: :func:`one_query_attention` for one-token decode calls, ``sdpa`` otherwise."""
+    """transformers attention function: :func:`one_query_attention` for unmasked one-token decode calls, ``sdpa`` otherwise."""
     if not _fits(query, key, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return one_query_attention(query, key, value, attention_mask, scale), None
+    return one_query_attention(query, key, value, scale), None
 
 
 AttentionInterface.register(NAME, decode_attention)

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-import ragen.models.decode_attention as decode_attention
 import ragen.models.transposed_gemm as transposed_gemm
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -96,7 +95,7 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
                             decode_attention=levers)
         gemm_calls = count_calls(monkeypatch, transposed_gemm, "transposed_linear")
         grow_updates = count_calls(monkeypatch, GrowingLayer, "update")
-        attention_calls = count_calls(monkeypatch, decode_attention, "one_query_attention")
+
         seen, handle = capture_head(model)
         try:
             torch.manual_seed(0)
@@ -108,8 +107,6 @@ def test_levers_give_the_plain_paths_tokens_and_logits(tiny, monkeypatch, do_sam
         # each forward calls every linear once; all calls here are short enough for the lever
         assert len(gemm_calls) == (len(seen) * linear_count(model) if levers else 0)
         assert bool(grow_updates) == levers
-        # every decode step (each head call but the shared prefill's) attends in every layer with one query
-        assert len(attention_calls) == ((len(seen) - 1) * model.config.num_hidden_layers if levers else 0)
         assert not any("forward" in vars(m) for m in model.modules())  # every linear is restored after generate
         assert model.config._attn_implementation == "sdpa"  # and the attention implementation
     (plain, plain_logits), (fast, fast_logits) = runs[False], runs[True]
