@@ -5,21 +5,62 @@ builds one exponential variate per vocabulary entry: for a 49k vocabulary that i
 decode step at batch 16 and ~60 ms at batch 64 on a 2-core machine, 15–25 % of a decode step
 of SmolLM2-135M. Inverse-transform sampling needs one uniform per row:
 
-    x ~ p  ⇔  x = min { i : F(i) ≥ u },  F(i) = Σ_{j ≤ i} p_j,  u ~ U(0, 1]
+    x ~ p  ⇔  x = min { i : F(i) ≥ u · F(V-1) },  F(i) = Σ_{j ≤ i} w_j,  u ~ U(0, 1]
 
-(a cumulative sum and a binary search, ~0.4 ms at batch 16). :class:`InverseCDFSampler`
-applies transformers' own temperature / top-k / top-p warpers (the order ``generate`` uses),
-draws the token, and returns scores that are 0 at it and -inf elsewhere, so ``generate``'s
-greedy step (``do_sample=False``) takes exactly the sampled token; everything else
-``generate`` does (EOS and ``min_new_tokens`` processors before this one, stop strings,
-padding finished rows) is unchanged. The distribution is the one ``do_sample=True`` samples
-from; only the random stream differs.
+for unnormalised weights ``w = exp((z - max z) / T)``. :func:`inverse_cdf` finds ``x`` in two
+levels so that no ``(B, V)`` float64 tensor is built: first the block of 256 tokens, with
+probability ∝ the block's mass (a cumulative sum over ~V/256 block sums), then the token
+inside it, with the residual ``r = (u·F - F(block start)) / mass(block) ∈ (0, 1]`` -- given the
+block, ``r`` is uniform, so ``P(x) = mass(block)/F · w_x/mass(block) = w_x / F``.
+
+:class:`InverseCDFSampler` applies transformers' own top-k / top-p warpers when asked (the order
+``generate`` uses: temperature, top-k, top-p), draws the token, and returns scores that are 0
+at it and -inf elsewhere, so ``generate``'s greedy step (``do_sample=False``) takes exactly the
+sampled token; everything else ``generate`` does (EOS and ``min_new_tokens`` processors before
+this one, stop strings, padding finished rows) is unchanged. The distribution is the one
+``do_sample=True`` samples from; only the random stream differs.
+
+Every decode step of a ``generate`` call reuses one ``(B, V)`` float32 buffer for the weights
+and the returned scores: on a 2-core EPYC a fresh ``(32, 49 152)`` tensor per step meant fresh
+pages (page faults) each time (``docs/performance.md``, "Sampling without fresh pages"). The
+returned tensor is therefore overwritten at the next step: do not combine this processor with
+``generate(output_scores=True)``, which keeps every step's scores.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper, TemperatureLogitsWarper
+
+#: Tokens per block of :func:`inverse_cdf`'s first level.
+BLOCK = 256
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``min { i : Σ_{j ≤ i} w_j ≥ u · Σ_j w_j }`` per row, in two levels; returns ``(B, 1)`` int64.
+
+    ``weights`` is ``(B, V)``, non-negative, at least one positive entry per row; ``u`` is
+    ``(B, 1)`` float64 in ``(0, 1]``. A zero-weight token is never returned. Block sums are float32
+    sums of float32 weights (relative rounding ~1e-7, that of the weights themselves); the
+    cumulative sums are float64.
+    """
+    B, V = weights.shape
+    full = V - V % block
+    sums = weights[:, :full].reshape(B, full // block, block).sum(-1)  # (B, V // block), a view: no copy
+    if full < V:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)  # (B, nb) the tail block
+    mass = sums.double()  # (B, nb)
+    cum = mass.cumsum(-1)  # (B, nb) F at each block's end
+    target = u * cum[:, -1:]  # (B, 1) in (0, F(V-1)]
+    blk = torch.searchsorted(cum, target).clamp_(max=cum.shape[1] - 1)  # (B, 1) first block with F ≥ target
+    start = torch.where(blk > 0, cum.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(target))  # (B, 1)
+    # r ∈ (0, 1]: F(start) < target ≤ F(end) by the search (a chosen block has positive mass)
+    r = ((target - start) / mass.gather(1, blk)).clamp_(max=1.0)  # (B, 1)
+    cols = blk * block + torch.arange(block, device=weights.device)  # (B, block) the block's token ids
+    inside = weights.gather(1, cols.clamp(max=V - 1)).double() * (cols < V)  # (B, block) past V: weight 0
+    within = inside.cumsum_(-1)  # (B, block)
+    j = torch.searchsorted(within, r * within[:, -1:])  # (B, 1) never past the block's last positive weight
+    return blk * block + j
 
 
 class InverseCDFSampler(LogitsProcessor):
@@ -28,20 +69,32 @@ class InverseCDFSampler(LogitsProcessor):
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
         warpers = []
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
+        if top_k or top_p < 1.0:  # these need the tempered scores; otherwise T is applied inside the exp below
+            if temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                warpers.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p))
         self.warpers = LogitsProcessorList(warpers)
+        self.tempered = bool(warpers)
         self.generator = generator
+        self._buffer: torch.Tensor | None = None
+
+    def _weights_buffer(self, scores: torch.Tensor) -> torch.Tensor:
+        if self._buffer is None or self._buffer.shape != scores.shape or self._buffer.device != scores.device:
+            self._buffer = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+        return self._buffer
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scores = self.warpers(input_ids, scores)  # (B, V)
-        cdf = torch.softmax(scores.float(), dim=-1).double().cumsum_(-1)  # (B, V) F(i); float64 so F(V-1) ≈ 1 exactly
-        # u ∈ (0, F(V-1)]: u > 0 never selects a leading zero-probability token, u ≤ F(V-1) always finds one.
-        u = (1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator))
-        token = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=scores.shape[-1] - 1)  # (B, 1)
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        weights = self._weights_buffer(scores)  # (B, V) float32, reused every step
+        torch.sub(scores, scores.amax(-1, keepdim=True), out=weights)  # z - max z ≤ 0 (-inf stays -inf)
+        if not self.tempered and self.temperature != 1.0:
+            weights.div_(self.temperature)
+        weights.exp_()  # w = exp((z - max z) / T) ∈ [0, 1]: softmax's numerator
+        u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
+        token = inverse_cdf(weights, u)  # (B, 1)
+        return weights.fill_(float("-inf")).scatter_(1, token, 0.0)

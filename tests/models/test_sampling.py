@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
-from ragen.models.sampling import InverseCDFSampler
+from ragen.models.sampling import BLOCK, InverseCDFSampler, inverse_cdf
 
 
 def draw(sampler: InverseCDFSampler, logits: torch.Tensor, n: int) -> torch.Tensor:
@@ -47,6 +49,70 @@ def test_top_k_and_top_p_keep_transformers_semantics():
     head = torch.where(torch.arange(6) < 3, p, torch.zeros(6))
     assert p[:2].sum() < 0.8 <= p[:3].sum()
     assert_frequencies(draw(InverseCDFSampler(top_p=0.8), LOGITS, 40_000), head / head.sum())
+
+
+def test_temperature_applies_before_top_p():
+    """transformers' order: temper, then keep the smallest head of the tempered distribution reaching top_p."""
+    torch.manual_seed(3)
+    p = torch.softmax(LOGITS / 0.5, -1)  # ≈ .84, .11, .04, ...: the head reaching 0.9 is two tokens
+    assert p[:1].sum() < 0.9 <= p[:2].sum()
+    head = torch.where(torch.arange(6) < 2, p, torch.zeros(6))
+    assert_frequencies(draw(InverseCDFSampler(temperature=0.5, top_p=0.9), LOGITS, 40_000), head / head.sum())
+
+
+def test_frequencies_across_blocks_and_a_partial_tail_block():
+    """A vocabulary of 2.5 blocks with the mass spread over all three (and zeros between)."""
+    torch.manual_seed(4)
+    V = 2 * BLOCK + BLOCK // 2
+    logits = torch.full((V,), float("-inf"))
+    picks = torch.tensor([0, 7, BLOCK - 1, BLOCK, BLOCK + 100, 2 * BLOCK + 3, V - 1])
+    logits[picks] = torch.tensor([0.5, -1.0, 1.0, 0.0, -0.5, 2.0, 0.3])
+    counts = draw(InverseCDFSampler(temperature=1.3), logits, 60_000)
+    assert_frequencies(counts, torch.softmax(logits / 1.3, -1))
+
+
+def reference_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The one-level definition: first i with F(i) ≥ u·F(V-1), F a float64 cumulative sum."""
+    cdf = weights.double().cumsum(-1)  # (B, V)
+    return torch.searchsorted(cdf, u * cdf[:, -1:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3 * BLOCK + 17), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0, exclude_min=True),
+       st.floats(0.0, 0.95), st.sampled_from([1, 17, BLOCK]))
+def test_two_level_search_finds_the_one_level_token(V, seed, u, zero_share, block):
+    """Same token as the float64 one-level search, unless the target lies within float32 rounding of a
+    boundary of F; never a zero-weight token."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand((1, V), generator=g) ** 4 * torch.exp(8 * torch.randn((1, V), generator=g))  # (1, V) wide range
+    weights[torch.rand((1, V), generator=g) < zero_share] = 0.0
+    weights[0, torch.randint(V, (1,), generator=g)] = torch.rand((1,), generator=g) + 0.5  # at least one positive
+    uu = torch.tensor([[u]], dtype=torch.float64)
+    got = inverse_cdf(weights, uu, block=block).item()
+    want = reference_inverse_cdf(weights, uu).item()
+    assert weights[0, got] > 0
+    if got != want:
+        cdf = weights.double().cumsum(-1)[0]
+        target = u * cdf[-1].item()
+        boundary = cdf[min(got, want)].item()  # F between the two tokens: the target must sit on it
+        assert abs(boundary - target) <= 1e-6 * cdf[-1].item(), (got, want)
+
+
+def test_extreme_draws_pick_the_first_and_last_positive_tokens():
+    weights = torch.zeros((2, 3 * BLOCK))
+    weights[:, [5, BLOCK + 9, 3 * BLOCK - 40]] = torch.tensor([0.2, 0.5, 0.3])
+    u = torch.tensor([[1e-300], [1.0]], dtype=torch.float64)
+    assert inverse_cdf(weights, u).squeeze(1).tolist() == [5, 3 * BLOCK - 40]
+
+
+def test_the_scores_buffer_is_reused_between_steps_of_one_shape():
+    """One (B, V) tensor per call shape, not a fresh one per decode step (the page-fault cost)."""
+    sampler = InverseCDFSampler(temperature=0.8)
+    ids = torch.zeros((4, 1), dtype=torch.long)
+    first = sampler(ids, torch.randn(4, 300))
+    second = sampler(ids, torch.randn(4, 300))
+    assert second.data_ptr() == first.data_ptr()
+    assert sampler(ids[:2], torch.randn(2, 300)).shape == (2, 300)
 
 
 def test_a_single_allowed_token_is_always_drawn():
