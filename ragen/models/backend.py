@@ -18,6 +18,7 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
+from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.device import model_device
 from ragen.models.growing_cache import GrowingLayer, make_growing
@@ -98,6 +99,10 @@ class HFBackend:
     two small matmuls instead of torch's flash kernel (:mod:`ragen.models.decode_attention`: the
     same quantity with an fp32 softmax; prefill and training keep ``sdpa``). All three follow
     ``rollout.fast_decode``.
+
+    Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
+    to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
+    (:mod:`ragen.models.cast_cache`; the same casts, made fewer times: always on).
     """
 
     SAMPLERS = ("inverse_cdf", "multinomial")
@@ -173,7 +178,8 @@ class HFBackend:
         self.model.eval()
         try:
             with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm), \
-                    decode_attention_for(self.model, self.decode_attention):
+                    decode_attention_for(self.model, self.decode_attention), \
+                    frozen_weights_cast_once(self.model, self.device.type):
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
