@@ -15,6 +15,7 @@ import torch
 from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.checkpointing import is_checkpointing
 from ragen.models.lora import base_model
+from ragen.train.target_logprobs import target_logprobs
 
 
 @dataclass
@@ -108,8 +109,9 @@ def policy_forward(
         temperature: logits are divided by it, matching the sampling distribution (skipped at 1.0:
             ``x / 1.0 == x`` exactly, and the division is a full pass over ``(n, V)`` forward and backward).
         with_entropy: also return the entropy ``H_t = -Σ_v π_v log π_v``.
-        entropy_grad: False when the entropy is only a metric (no entropy bonus): it is then computed
-            from detached log-probs, so the backward pass skips its ``(n, V)`` exp/mul/sum graph.
+        entropy_grad: False when the entropy is only a metric (no entropy bonus): log-probs and entropy then
+            come from :func:`~ragen.train.target_logprobs.target_logprobs` (fp32 row blocks, a hand-written
+            backward, no ``(n, V)`` fp32 copies); True keeps autograd through the whole log-softmax.
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """
@@ -121,14 +123,20 @@ def policy_forward(
     head = base.get_output_embeddings()
     logp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk_size):
-        logits = head(h[start : start + chunk_size]).float()  # (n, V) fp32 for a stable softmax
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp_parts.append(logp_all.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
-        if with_entropy:
-            lp = logp_all if entropy_grad else logp_all.detach()
-            ent_parts.append(-(lp.exp() * lp).sum(-1))
+        logits = head(h[start : start + chunk_size])  # (n, V), bf16 under autocast
+        chunk_targets = targets[start : start + chunk_size]  # (n,)
+        if with_entropy and entropy_grad:  # an entropy bonus: autograd through the whole log-softmax
+            logits = logits.float()  # (n, V) fp32 for a stable softmax
+            if temperature != 1.0:
+                logits = logits / temperature
+            logp_all = torch.log_softmax(logits, dim=-1)
+            logp_parts.append(logp_all.gather(-1, chunk_targets[:, None]).squeeze(-1))
+            ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+        else:  # fp32 in row blocks, no (n, V) fp32 copies (ragen/train/target_logprobs.py)
+            logp, entropy = target_logprobs(logits, chunk_targets, temperature, with_entropy)
+            logp_parts.append(logp)
+            if with_entropy:
+                ent_parts.append(entropy)
 
     def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)

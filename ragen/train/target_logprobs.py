@@ -1,0 +1,95 @@
+"""Log-probability of each row's target token from LM-head logits, with a hand-written backward.
+
+For logits ``z ∈ R^{n×V}`` (divided by the sampling temperature ``T``) and targets ``t``:
+
+    log π(t_i) = z_{i,t_i}/T - lse_i,   lse_i = log Σ_v exp(z_{i,v}/T)                      (forward)
+    ∂ log π(t_i) / ∂ z_{i,v} = (1[v = t_i] - π_v) / T,   π_v = exp(z_{i,v}/T - lse_i)       (backward)
+
+and, when asked, the entropy ``H_i = lse_i - Σ_v π_v z_{i,v}/T`` as a metric (no gradient).
+
+``log_softmax(z.float()).gather(t)`` computes the same thing, but in autograd's pieces: an fp32
+copy of the ``(n, V)`` logits, the ``(n, V)`` log-softmax saved for the backward, and in the
+backward a zero ``(n, V)`` tensor for ``gather``'s gradient, the log-softmax gradient and its bf16
+cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 rows of SmolLM2's
+49 152-token vocabulary), whose first touch costs a page fault per 4 KiB on the CPU. Here the only
+``(n, V)`` tensor created is the gradient itself, in the logits' dtype; the fp32 work runs
+:data:`ROWS` rows at a time in one reused buffer, and only ``lse`` (``n`` floats) is saved next to
+the logits autograd keeps anyway. ``docs/performance.md``, "Target log-probs without (n, V) copies".
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Rows per fp32 block (a 128 × 49 152 fp32 block is 25 MB).
+ROWS = 128
+
+
+def _blocks(n: int):
+    for start in range(0, n, ROWS):
+        yield start, min(start + ROWS, n)
+
+
+def _scaled_block(buffer: torch.Tensor, logits: torch.Tensor, start: int, end: int, temperature: float) -> torch.Tensor:
+    z = buffer[: end - start]  # (k, V) compute dtype
+    z.copy_(logits[start:end])
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class TargetLogProbs(torch.autograd.Function):
+    """``(logits (n, V), targets (n,), T, with_entropy) -> (log π(t) (n,), H (n,) or empty)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        n, V = logits.shape
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (or fp64 for a gradcheck)
+        buffer = logits.new_empty((min(ROWS, n), V), dtype=dtype)
+        spare = torch.empty_like(buffer) if with_entropy else None
+        lse = logits.new_empty(n, dtype=dtype)
+        logp = logits.new_empty(n, dtype=dtype)
+        entropy = logits.new_empty(n if with_entropy else 0, dtype=dtype)
+        for start, end in _blocks(n):
+            z = _scaled_block(buffer, logits, start, end, temperature)  # (k, V) z/T
+            top = z.amax(-1, keepdim=True)  # (k, 1)
+            z.sub_(top)  # (k, V) z' = z/T - max ≤ 0
+            target = z.gather(1, targets[start:end, None]).squeeze(1)  # (k,) z'_t
+            if with_entropy:
+                e = torch.exp(z, out=spare[: end - start])  # (k, V) exp(z')
+                mass = e.sum(-1)  # (k,) S
+                weighted = torch.mul(e, z, out=z).sum(-1)  # (k,) Σ exp(z') z'
+            else:
+                mass = z.exp_().sum(-1)  # (k,) S = Σ exp(z')
+            log_mass = mass.log()  # (k,)
+            lse[start:end] = top.squeeze(1) + log_mass
+            logp[start:end] = target - log_mass
+            if with_entropy:
+                entropy[start:end] = log_mass - weighted / mass  # H = log S - Σ π z'
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        T = ctx.temperature
+        grad = torch.empty_like(logits)  # (n, V) the logits' dtype: bf16 under autocast
+        buffer = logits.new_empty((min(ROWS, logits.shape[0]), logits.shape[1]), dtype=lse.dtype)
+        g = grad_logp.to(lse.dtype)
+        for start, end in _blocks(logits.shape[0]):
+            z = _scaled_block(buffer, logits, start, end, T)  # (k, V) z/T
+            p = z.sub_(lse[start:end, None]).exp_()  # (k, V) π
+            d = p.mul_(-g[start:end, None]).scatter_add_(1, targets[start:end, None], g[start:end, None])  # g(1[v=t] - π)
+            if T != 1.0:
+                d.div_(T)
+            grad[start:end].copy_(d)
+        return grad, None, None, None
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log π(t | z/T), H(π) or None)`` per row of ``logits`` ``(n, V)``; the log-probs carry gradients, the entropy none."""
+    logp, entropy = TargetLogProbs.apply(logits, targets, float(temperature), bool(with_entropy))
+    return logp, entropy if with_entropy else None
