@@ -57,24 +57,29 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     for g, p in enumerate(prompts):
         prompt_ids[g, P - len(p) :] = torch.tensor(p)
         prompt_mask[g, P - len(p) :] = 1
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    prompt_out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
-                         position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     suffix_lens = [lengths[r] - plens[r] for r in range(B)]
     S = max(suffix_lens)
+    suffix_ids = torch.full((B, S), pad, dtype=input_ids.dtype)  # (B, S) right-padded continuations
+    suffix_mask = torch.zeros((B, S), dtype=attention_mask.dtype)
+    for r in range(B):
+        suffix_ids[r, : suffix_lens[r]] = input_ids[r, plens[r] : lengths[r]]
+        suffix_mask[r, : suffix_lens[r]] = 1
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    suffix_ids, suffix_mask = suffix_ids.to(device), suffix_mask.to(device)
+    # One embedding lookup for both passes: its backward builds a dense (V, H) gradient per call
+    # (embedding_dense_backward), 113 MB of fresh zeros for SmolLM2, so one call instead of two.
+    embedded = decoder.get_input_embeddings()(torch.cat([prompt_ids.reshape(-1), suffix_ids.reshape(-1)]))  # (G·P + B·S, H)
+    prompt_embeds = embedded[: prompt_ids.numel()].view(*prompt_ids.shape, -1)  # (G, P, H)
+    suffix_embeds = embedded[prompt_ids.numel() :].view(B, S, -1)  # (B, S, H)
+    prompt_out = decoder(inputs_embeds=prompt_embeds, attention_mask=prompt_mask,
+                         position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     rows = []
     if S > 0:
         cache = output_cache(prompt_out)
         index = torch.tensor(row_prompt, device=device)
         cache.reorder_cache(index)  # (G, ...) -> (B, ...), one copy of its prompt's cache per row
-        suffix_ids = torch.full((B, S), pad, dtype=input_ids.dtype)  # (B, S) right-padded continuations
-        suffix_mask = torch.zeros((B, S), dtype=attention_mask.dtype)
-        for r in range(B):
-            suffix_ids[r, : suffix_lens[r]] = input_ids[r, plens[r] : lengths[r]]
-            suffix_mask[r, : suffix_lens[r]] = 1
         positions = (torch.tensor(plens)[:, None] + torch.arange(S)[None, :]).to(device)  # (B, S)
-        suffix_ids, suffix_mask = suffix_ids.to(device), suffix_mask.to(device)
-        suffix_hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
+        suffix_hidden = decoder(inputs_embeds=suffix_embeds, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
                                 position_ids=positions, use_cache=True, **with_cache(cache)).last_hidden_state
     prompt_hidden = prompt_out.last_hidden_state  # (G, P, H)
     for r in range(B):

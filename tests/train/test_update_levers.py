@@ -134,3 +134,22 @@ def test_only_plain_floating_tensors_are_fused_and_fused_false_is_torchs_default
     sharded = [torch.nn.Parameter(torch.zeros(3))] + params
     assert not can_fuse(sharded)
     assert adamw(sharded, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0).param_groups[0]["fused"] is None
+
+
+def test_the_shared_prompt_pass_looks_up_embeddings_once(tiny):
+    """Prompt pass and continuation pass share one embedding call (one dense (V, H) gradient, not two)."""
+    model, _ = tiny
+    ids, _, response = batch(model.config.vocab_size)
+    ids[1:, :7] = ids[1, :7]  # rows 1 and 2 share their 7-token prompt, row 0 has its own
+    mask = torch.ones_like(ids)
+    mask[0, 10:] = 0  # right padding, as the trainer's batches
+    response[0, 9:] = 0
+    calls = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    try:
+        out = policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    plain = policy_forward(model, ids, mask, response)
+    torch.testing.assert_close(out.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
