@@ -3,11 +3,11 @@
 Under ``torch.autocast`` every fp32 weight is cast to bf16 by each op that uses it. Autocast keeps
 the cast for the rest of its block only for leaf tensors that require grad (``cached_cast`` in
 ATen's ``autocast_mode.cpp``): a trained model's weights are cast once per ``generate``, but frozen
-ones -- the base weights of a LoRA model, a Ray rollout worker's model (``requires_grad_(False)``),
-an evaluation model -- are cast again at every decode step, reading 540 MB of fp32 and writing
-270 MB of bf16 per step for SmolLM2-135M. On a 2-core AMD EPYC (AVX-512 BF16) that made
-``generate`` at batch 32 1.2-1.5x slower with a frozen model than with a trainable one
-(``docs/performance.md``, "Frozen weights cast once").
+ones -- the base weights of a LoRA model, a Ray rollout worker's model (``requires_grad_(False)``) --
+are cast again at every decode step, reading 540 MB of fp32 and writing
+270 MB of bf16 per step for SmolLM2-135M. On a 2-core AMD EPYC (AVX-512 BF16) casting them once made
+``generate`` 1.23-1.37x faster with LoRA (rank 8) and 1.04-1.39x with the whole model frozen, at
+batch 32 and 64 (``docs/performance.md``, "Frozen weights cast once").
 
 :func:`frozen_weights_cast_once` marks the frozen fp32 parameters as requiring grad for a ``with``
 block, so autocast caches their casts too, and restores them on exit (also on error). It acts only

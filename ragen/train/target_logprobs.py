@@ -14,7 +14,7 @@ cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 r
 49 152-token vocabulary), whose first touch costs a page fault per 4 KiB on the CPU. Here the only
 ``(n, V)`` tensor created is the gradient itself, in the logits' dtype; the fp32 work runs
 :data:`ROWS` rows at a time in one reused buffer, and only ``lse`` (``n`` floats) is saved next to
-the logits autograd keeps anyway. ``docs/performance.md``, "Target log-probs without (n, V) copies".
+the logits autograd keeps anyway. ``docs/performance.md``, "Target log-probs with a hand-written backward".
 """
 
 from __future__ import annotations
