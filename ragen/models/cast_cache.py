@@ -12,7 +12,10 @@ batch 32 and 64 (``docs/performance.md``, "Frozen weights cast once").
 :func:`frozen_weights_cast_once` marks the frozen fp32 parameters as requiring grad for a ``with``
 block, so autocast caches their casts too, and restores them on exit (also on error). It acts only
 where that is invisible: inside autocast, with autograd off (no graph can record the flag), so the
-numbers computed are the same -- the same casts, made fewer times.
+numbers computed are the same -- the same casts, made fewer times. "Autograd off" is the calling
+thread's state while ``requires_grad`` belongs to the tensors: the block assumes no other thread runs
+a training forward on the same model meanwhile (ragen generates and trains on one thread; Ray rollout
+workers are processes of their own).
 """
 
 from __future__ import annotations

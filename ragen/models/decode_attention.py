@@ -13,7 +13,8 @@ calls stay with ``sdpa``.
 
 :func:`decode_attention` computes the same quantity (grouped-query heads without copying the KV
 heads, softmax in fp32 like the flash kernel's accumulators; inputs upcast to fp32, so it is, if
-anything, less rounded than the bf16 kernel) and hands every other call (prompt prefill, training,
+anything, less rounded than the bf16 kernel; autocast is switched off inside, so the matmuls stay
+fp32 under ``generate``'s bf16 autocast) and hands every other call (prompt prefill, training,
 a padding mask, dropout, soft-capping, attention sinks, any extra argument it does not know) to transformers' own
 ``sdpa`` function unchanged. :func:`decode_attention_for` switches a model to it for a ``with``
 block -- :class:`~ragen.models.backend.HFBackend` does so around ``generate`` -- and back on exit.
@@ -46,16 +47,18 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     B, H, _, D = query.shape
     kv_heads = key.shape[1]
-    q = query.float().reshape(B, kv_heads, H // kv_heads, D)  # (B, H_kv, g, D): a KV head's query heads together
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, H_kv, g, L)
-    probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, L)
-    out = torch.matmul(probs, value.float())  # (B, H_kv, g, D)
-    return out.reshape(B, 1, H, D).to(query.dtype)  # (B, 1, H, D): sdpa's layout after its transpose
+    with torch.autocast(query.device.type, enabled=False):  # fp32 even inside generate's bf16 autocast
+        q = query.float().reshape(B, kv_heads, H // kv_heads, D)  # (B, H_kv, g, D): a KV head's query heads together
+        scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, H_kv, g, L)
+        probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, L)
+        out = torch.matmul(probs, value.float())  # (B, H_kv, g, Dv)
+    return out.reshape(B, 1, H, value.shape[-1]).to(query.dtype)  # (B, 1, H, Dv): sdpa's layout after its transpose
 
 
-def _fits(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
     """True when :func:`one_query_attention` computes exactly what ``sdpa`` would for this call."""
-    if query.shape[2] != 1 or query.shape[1] % key.shape[1] != 0 or key.shape[-1] != query.shape[-1]:
+    if query.shape[2] != 1 or query.shape[1] % key.shape[1] != 0 or key.shape[-1] != query.shape[-1] \
+            or value.shape[:3] != key.shape[:3]:
         return False
     if attention_mask is not None or dropout != 0.0 or torch.is_grad_enabled() or query.device.type != "cpu":
         return False
@@ -65,7 +68,7 @@ def _fits(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs):
     """transformers attention function: :func:`one_query_attention` for unmasked one-token decode calls, ``sdpa`` otherwise."""
-    if not _fits(query, key, attention_mask, dropout, kwargs):
+    if not _fits(query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -86,7 +89,10 @@ def decode_attention_for(model, enabled: bool = True):
     (eager, flash, flex) or device are left alone.
     """
     config = model.config
-    switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu"
+    # not for composite configs: transformers' setter writes the name into every sub-config, and restoring
+    # "sdpa" would overwrite a sub-model's own choice (a vision tower on "eager", say)
+    switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu" \
+        and not getattr(config, "sub_configs", None)
     if switch:
         config._attn_implementation = NAME
     try:

@@ -21,7 +21,7 @@ this one, stop strings, padding finished rows) is unchanged. The distribution is
 ``do_sample=True`` samples from; only the random stream differs.
 
 Every decode step of a ``generate`` call reuses one ``(B, V)`` float32 buffer for the weights
-and the returned scores: on a 2-core EPYC a fresh ``(32, 49 152)`` tensor per step meant fresh
+and the returned scores (transformers' top-k / top-p warpers, when asked for, still allocate their own): on a 2-core EPYC a fresh ``(32, 49 152)`` tensor per step meant fresh
 pages (page faults) each time (``docs/performance.md``, "Sampling without fresh pages"). The
 returned tensor is therefore overwritten at the next step: do not combine this processor with
 ``generate(output_scores=True)``, which keeps every step's scores.
@@ -40,7 +40,8 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> t
     """``min { i : Σ_{j ≤ i} w_j ≥ u · Σ_j w_j }`` per row, in two levels; returns ``(B, 1)`` int64.
 
     ``weights`` is ``(B, V)``, non-negative, at least one positive entry per row; ``u`` is
-    ``(B, 1)`` float64 in ``(0, 1]``. A zero-weight token is never returned. Block sums are float32
+    ``(B, 1)`` float64 in ``(0, 1]``. A zero-weight token is never returned; a row whose weights are
+    not finite or sum to zero raises ``ValueError``. Block sums are float32
     sums of float32 weights (relative rounding ~1e-7, that of the weights themselves); the
     cumulative sums are float64.
     """
@@ -51,6 +52,9 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> t
         sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)  # (B, nb) the tail block
     mass = sums.double()  # (B, nb)
     cum = mass.cumsum(-1)  # (B, nb) F at each block's end
+    total = cum[:, -1]  # (B,)
+    if not (torch.isfinite(total) & (total > 0)).all():  # as torch.multinomial refuses such rows
+        raise ValueError("inverse_cdf: a row's weights are not finite or sum to zero (NaN, inf or all -inf logits)")
     target = u * cum[:, -1:]  # (B, 1) in (0, F(V-1)]
     blk = torch.searchsorted(cum, target).clamp_(max=cum.shape[1] - 1)  # (B, 1) first block with F ≥ target
     start = torch.where(blk > 0, cum.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(target))  # (B, 1)
@@ -60,7 +64,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> t
     inside = weights.gather(1, cols.clamp(max=V - 1)).double() * (cols < V)  # (B, block) past V: weight 0
     within = inside.cumsum_(-1)  # (B, block)
     j = torch.searchsorted(within, r * within[:, -1:])  # (B, 1) never past the block's last positive weight
-    return blk * block + j
+    return (blk * block + j).clamp_(max=V - 1)  # (B, 1); the clamp only guards float edge cases
 
 
 class InverseCDFSampler(LogitsProcessor):

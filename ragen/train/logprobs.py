@@ -8,6 +8,7 @@ are never materialised for the whole ``B × T × V`` block (for SmolLM2 V = 49 1
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,18 @@ class PolicyOutput:
     logprobs: torch.Tensor  # (B, T) log π(x_{t+1} | x_{≤t}), zero off the response mask
     entropy: torch.Tensor | None  # (B, T) entropy of π(· | x_{≤t}), zero off the mask
     values: torch.Tensor | None  # (B, T) critic value of the state x_{≤t}, zero off the mask
+
+
+def embeds_equal_ids(decoder) -> bool:
+    """Whether ``decoder(inputs_embeds=embed(ids))`` computes what ``decoder(input_ids=ids)`` does.
+
+    True for transformers' causal decoders in general (Llama, Qwen, Mistral, Gemma: Gemma scales the
+    embeddings after this branch). Not for decoders that scale only in the ``input_ids`` branch
+    (``embed_scale``, e.g. MVP) or derive more inputs from the ids (Gemma 3n's ``per_layer_inputs``).
+    """
+    if hasattr(decoder, "embed_scale"):
+        return False
+    return "per_layer_inputs" not in inspect.signature(decoder.forward).parameters
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -66,12 +79,15 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         suffix_mask[r, : suffix_lens[r]] = 1
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     suffix_ids, suffix_mask = suffix_ids.to(device), suffix_mask.to(device)
-    # One embedding lookup for both passes: its backward builds a dense (V, H) gradient per call
-    # (embedding_dense_backward), 113 MB of fresh zeros for SmolLM2, so one call instead of two.
-    embedded = decoder.get_input_embeddings()(torch.cat([prompt_ids.reshape(-1), suffix_ids.reshape(-1)]))  # (G·P + B·S, H)
-    prompt_embeds = embedded[: prompt_ids.numel()].view(*prompt_ids.shape, -1)  # (G, P, H)
-    suffix_embeds = embedded[prompt_ids.numel() :].view(B, S, -1)  # (B, S, H)
-    prompt_out = decoder(inputs_embeds=prompt_embeds, attention_mask=prompt_mask,
+    if embeds_equal_ids(decoder):
+        # One embedding lookup for both passes: its backward builds a dense (V, H) gradient per call
+        # (embedding_dense_backward), 113 MB of fresh zeros for SmolLM2, so one call instead of two.
+        embedded = decoder.get_input_embeddings()(torch.cat([prompt_ids.reshape(-1), suffix_ids.reshape(-1)]))  # (G·P + B·S, H)
+        prompt_in = {"inputs_embeds": embedded[: prompt_ids.numel()].view(*prompt_ids.shape, embedded.shape[-1])}  # (G, P, H)
+        suffix_in = {"inputs_embeds": embedded[prompt_ids.numel() :].view(B, S, embedded.shape[-1])}  # (B, S, H)
+    else:
+        prompt_in, suffix_in = {"input_ids": prompt_ids}, {"input_ids": suffix_ids}
+    prompt_out = decoder(**prompt_in, attention_mask=prompt_mask,
                          position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     rows = []
     if S > 0:
@@ -79,7 +95,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         index = torch.tensor(row_prompt, device=device)
         cache.reorder_cache(index)  # (G, ...) -> (B, ...), one copy of its prompt's cache per row
         positions = (torch.tensor(plens)[:, None] + torch.arange(S)[None, :]).to(device)  # (B, S)
-        suffix_hidden = decoder(inputs_embeds=suffix_embeds, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
+        suffix_hidden = decoder(**suffix_in, attention_mask=torch.cat([prompt_mask[index], suffix_mask], 1),
                                 position_ids=positions, use_cache=True, **with_cache(cache)).last_hidden_state
     prompt_hidden = prompt_out.last_hidden_state  # (G, P, H)
     for r in range(B):
@@ -114,9 +130,10 @@ def policy_forward(
         temperature: logits are divided by it, matching the sampling distribution (skipped at 1.0:
             ``x / 1.0 == x`` exactly, and the division is a full pass over ``(n, V)`` forward and backward).
         with_entropy: also return the entropy ``H_t = -Σ_v π_v log π_v``.
-        entropy_grad: False when the entropy is only a metric (no entropy bonus): log-probs and entropy then
-            come from :func:`~ragen.train.target_logprobs.target_logprobs` (fp32 row blocks, a hand-written
-            backward, no ``(n, V)`` fp32 copies); True keeps autograd through the whole log-softmax.
+        entropy_grad: False when the entropy is only a metric (no entropy bonus). Log-probs (and a metric
+            entropy) come from :func:`~ragen.train.target_logprobs.target_logprobs` (fp32 row blocks, a
+            hand-written backward, no ``(n, V)`` fp32 copies) unless ``with_entropy and entropy_grad``,
+            which keeps autograd through the whole log-softmax for the entropy's gradient.
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """

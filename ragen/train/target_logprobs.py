@@ -13,8 +13,9 @@ backward a zero ``(n, V)`` tensor for ``gather``'s gradient, the log-softmax gra
 cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 rows of SmolLM2's
 49 152-token vocabulary), whose first touch costs a page fault per 4 KiB on the CPU. Here the only
 ``(n, V)`` tensor created is the gradient itself, in the logits' dtype; the fp32 work runs
-:data:`ROWS` rows at a time in one reused buffer, and only ``lse`` (``n`` floats) is saved next to
-the logits autograd keeps anyway. ``docs/performance.md``, "Target log-probs with a hand-written backward".
+:data:`ROWS` rows at a time in one reused buffer, and the backward needs only the logits themselves
+(saved here: ``(n, V)`` bf16 under autocast, half the fp32 log-softmax the plain path saves) and ``lse``
+(``n`` floats). The backward is not itself differentiable (no double backward). ``docs/performance.md``, "Target log-probs with a hand-written backward".
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class TargetLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         T = ctx.temperature

@@ -33,7 +33,8 @@ def frozen_tiny():
     return model.eval().requires_grad_(False), tokenizer
 
 
-def casts_over_two_forwards(model, switch: bool) -> int:
+def casts_over_two_forwards(model, switch: bool) -> tuple[int, int]:
+    """(weight casts counted, distinct linear weights)."""
     ids = torch.tensor([[1, 2, 3, 4]])
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WeightCasts(linears) as counter:

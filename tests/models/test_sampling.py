@@ -105,6 +105,18 @@ def test_extreme_draws_pick_the_first_and_last_positive_tokens():
     assert inverse_cdf(weights, u).squeeze(1).tolist() == [5, 3 * BLOCK - 40]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_rows_without_a_distribution_are_refused(bad):
+    """As torch.multinomial refuses them, instead of an index error or a silent last token."""
+    logits = torch.zeros(3, 300)
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 7] = bad
+    with pytest.raises(ValueError, match="not finite or sum to zero"):
+        InverseCDFSampler()(torch.zeros((3, 1), dtype=torch.long), logits)
+
+
 def test_the_scores_buffer_is_reused_between_steps_of_one_shape():
     """One (B, V) tensor per call shape, not a fresh one per decode step (the page-fault cost)."""
     sampler = InverseCDFSampler(temperature=0.8)

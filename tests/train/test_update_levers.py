@@ -136,20 +136,65 @@ def test_only_plain_floating_tensors_are_fused_and_fused_false_is_torchs_default
     assert adamw(sharded, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0).param_groups[0]["fused"] is None
 
 
-def test_the_shared_prompt_pass_looks_up_embeddings_once(tiny):
-    """Prompt pass and continuation pass share one embedding call (one dense (V, H) gradient, not two)."""
-    model, _ = tiny
-    ids, _, response = batch(model.config.vocab_size)
+def shared_prompt_batch(vocab: int):
+    ids, _, response = batch(vocab)
     ids[1:, :7] = ids[1, :7]  # rows 1 and 2 share their 7-token prompt, row 0 has its own
     mask = torch.ones_like(ids)
     mask[0, 10:] = 0  # right padding, as the trainer's batches
     response[0, 9:] = 0
+    return ids, mask, response
+
+
+def test_the_shared_prompt_pass_looks_up_embeddings_once(tiny):
+    """Prompt pass and continuation pass share one embedding call (one dense (V, H) gradient, not two),
+    with the plain pass's log-probs and gradients (the embedding's included), in fp32 and under autocast."""
+    from ragen.train.logprobs import embeds_equal_ids
+
+    model, _ = tiny
+    assert embeds_equal_ids(model.get_decoder())
+    ids, mask, response = shared_prompt_batch(model.config.vocab_size)
+    for autocast, tol in ((False, 1e-5), (True, 2e-2)):
+        calls = []
+        handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(1))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
+        finally:
+            handle.remove()
+        assert len(calls) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            plain = policy_forward(model, ids, mask, response)
+        torch.testing.assert_close(out.logprobs, plain.logprobs, rtol=tol, atol=tol)
+        shared_grads = grads_of(model, -(out.logprobs * response).sum())
+        plain_grads = grads_of(model, -(plain.logprobs * response).sum())
+        assert shared_grads.keys() == plain_grads.keys() and "model.embed_tokens.weight" in shared_grads
+        for name, grad in plain_grads.items():
+            assert (shared_grads[name] - grad).norm() <= tol * grad.norm() + 1e-8, (autocast, name)
+
+
+def test_prompts_without_continuations_need_no_second_pass(tiny):
+    """prompt_lengths covering whole rows (S = 0): the prompt pass alone gives the plain pass's hidden states."""
+    from ragen.train.logprobs import decoder_hidden
+
+    model, _ = tiny
+    ids, mask, _ = shared_prompt_batch(model.config.vocab_size)
+    mask[:] = 1
+    with torch.no_grad():
+        shared = decoder_hidden(model, ids, mask, prompt_lengths=torch.full((3,), ids.shape[1]))
+        plain = decoder_hidden(model, ids, mask)
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_decoders_that_treat_ids_and_embeddings_differently_get_two_lookups(tiny, monkeypatch):
+    """A decoder with ``embed_scale`` (scaled only in its input_ids branch, e.g. MVP) keeps the input_ids calls."""
+    model, _ = tiny
+    decoder = model.get_decoder()
+    monkeypatch.setattr(decoder, "embed_scale", 1.0, raising=False)
+    ids, mask, response = shared_prompt_batch(model.config.vocab_size)
     calls = []
-    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(1))
     try:
-        out = policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
+        policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
     finally:
         handle.remove()
-    assert len(calls) == 1
-    plain = policy_forward(model, ids, mask, response)
-    torch.testing.assert_close(out.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
