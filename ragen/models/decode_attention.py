@@ -6,7 +6,7 @@ length, transformers passes no mask and asks torch's CPU "flash" kernel for grou
 with one query per head, which is slow on a CPU: measured on a 2-core AMD EPYC (AVX-512 BF16, no
 AMX) at SmolLM2's decode shape (9 query heads, 3 KV heads, D = 64, L ≈ 135, bf16), 1.6-1.8 ms per
 call at batch 32 against ~0.1-0.2 ms for the two matmuls below, and ``generate``'s decode time
-1.53× (batch 16) and 1.78× (batch 32) that of this path. With a padding mask transformers packs
+1.35× (batch 16) and 1.67× (batch 32) that of this path (fp32 matmuls, at 2292685). With a padding mask transformers packs
 the query heads per KV head first and the kernel is as fast as this path (0.98-1.03×), so masked
 calls stay with ``sdpa``.
 ``benchmarks/bench_decode.py --sections attention``; ``docs/performance.md``, "Decode attention".
