@@ -155,7 +155,8 @@ def policy_forward(
             logp_parts.append(logp_all.gather(-1, chunk_targets[:, None]).squeeze(-1))
             ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
         else:  # fp32 in row blocks, no (n, V) fp32 copies (ragen/train/target_logprobs.py)
-            logp, entropy = target_logprobs(logits, chunk_targets, temperature, with_entropy)
+            # the chunk's logits are read nowhere else: the backward may store their gradient in place
+            logp, entropy = target_logprobs(logits, chunk_targets, temperature, with_entropy, overwrite_logits=True)
             logp_parts.append(logp)
             if with_entropy:
                 ent_parts.append(entropy)

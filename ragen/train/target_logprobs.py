@@ -12,7 +12,8 @@ copy of the ``(n, V)`` logits, the ``(n, V)`` log-softmax saved for the backward
 backward a zero ``(n, V)`` tensor for ``gather``'s gradient, the log-softmax gradient and its bf16
 cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 rows of SmolLM2's
 49 152-token vocabulary), whose first touch costs a page fault per 4 KiB on the CPU. Here the only
-``(n, V)`` tensor created is the gradient itself, in the logits' dtype; the fp32 work runs
+``(n, V)`` tensor created is the gradient itself, in the logits' dtype (and not even that with
+``overwrite_logits``, which stores it in the logits' memory); the fp32 work runs
 :data:`ROWS` rows at a time in one reused buffer, and the backward needs only the logits themselves
 (saved here: ``(n, V)`` bf16 under autocast, half the fp32 log-softmax the plain path saves) and ``lse``
 (``n`` floats). The backward is not itself differentiable (no double backward). ``docs/performance.md``, "Target log-probs with a hand-written backward".
@@ -40,10 +41,15 @@ def _scaled_block(buffer: torch.Tensor, logits: torch.Tensor, start: int, end: i
 
 
 class TargetLogProbs(torch.autograd.Function):
-    """``(logits (n, V), targets (n,), T, with_entropy) -> (log π(t) (n,), H (n,) or empty)``; see the module docstring."""
+    """``(logits (n, V), targets (n,), T, with_entropy, overwrite) -> (log π(t) (n,), H (n,) or empty)``.
+
+    See the module docstring; ``overwrite``: the backward writes the gradient into the logits' own
+    storage instead of a new ``(n, V)`` tensor.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                overwrite: bool = False):
         n, V = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (or fp64 for a gradcheck)
         buffer = logits.new_empty((min(ROWS, n), V), dtype=dtype)
@@ -69,6 +75,7 @@ class TargetLogProbs(torch.autograd.Function):
                 entropy[start:end] = log_mass - weighted / mass  # H = log S - Σ π z'
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
+        ctx.overwrite = overwrite
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -77,7 +84,10 @@ class TargetLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         T = ctx.temperature
-        grad = torch.empty_like(logits)  # (n, V) the logits' dtype: bf16 under autocast
+        # (n, V) the logits' dtype (bf16 under autocast). Overwriting: each block is read into the fp32
+        # buffer before its gradient is written back, and the write bumps the logits' version counter,
+        # so a second backward through this node (retain_graph) raises instead of reading gradients.
+        grad = logits.detach() if ctx.overwrite and logits.is_contiguous() else torch.empty_like(logits)
         buffer = logits.new_empty((min(ROWS, logits.shape[0]), logits.shape[1]), dtype=lse.dtype)
         g = grad_logp.to(lse.dtype)
         for start, end in _blocks(logits.shape[0]):
@@ -87,11 +97,16 @@ class TargetLogProbs(torch.autograd.Function):
             if T != 1.0:
                 d.div_(T)
             grad[start:end].copy_(d)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log π(t | z/T), H(π) or None)`` per row of ``logits`` ``(n, V)``; the log-probs carry gradients, the entropy none."""
-    logp, entropy = TargetLogProbs.apply(logits, targets, float(temperature), bool(with_entropy))
+                    with_entropy: bool = False, overwrite_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log π(t | z/T), H(π) or None)`` per row of ``logits`` ``(n, V)``; the log-probs carry gradients, the entropy none.
+
+    ``overwrite_logits=True``: the backward stores the gradient in ``logits``' own memory (no fresh
+    ``(n, V)`` tensor, whose first touch costs page faults); only for callers that never read
+    ``logits`` after the backward (:func:`~ragen.train.logprobs.policy_forward`'s head chunks).
+    """
+    logp, entropy = TargetLogProbs.apply(logits, targets, float(temperature), bool(with_entropy), bool(overwrite_logits))
     return logp, entropy if with_entropy else None

@@ -39,6 +39,26 @@ def test_values_and_gradients_equal_log_softmax_gather(temperature, n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overwriting_the_logits_gives_the_same_gradient_and_refuses_a_second_backward(dtype):
+    """``overwrite_logits``: the gradient lands in the logits' memory, bit-equal to a fresh tensor's."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(300, 16, generator=g).requires_grad_()
+    head = torch.randn(1000, 16, generator=g).to(dtype)
+    targets = torch.randint(1000, (300,), generator=g)
+    grads = []
+    for overwrite in (False, True):
+        logits = h.to(dtype) @ head.t()  # (n, V) the head's output, as in policy_forward
+        logp, _ = target_logprobs(logits, targets, 0.9, overwrite_logits=overwrite)
+        h.grad = None
+        logp.sum().backward(retain_graph=True)
+        grads.append(h.grad.clone())
+        if overwrite:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                logp.sum().backward()
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_gradcheck_in_float64_across_small_blocks(monkeypatch):
     monkeypatch.setattr(target_module, "ROWS", 2)  # 5 rows: blocks of 2, 2 and 1
     logits, targets = case(n=5, V=7, dtype=torch.float64, scale=2.0)
