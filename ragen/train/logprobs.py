@@ -16,6 +16,7 @@ import torch
 from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.checkpointing import is_checkpointing
 from ragen.models.lora import base_model
+from ragen.models.train_attention import train_attention_for
 from ragen.train.target_logprobs import target_logprobs
 
 
@@ -138,7 +139,10 @@ def policy_forward(
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
     """
     base = base_model(model)
-    hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
+    # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
+    # whose backward recomputes the layers after this block has switched the implementation back
+    with train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))):
+        hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
     targets = input_ids[:, 1:][where]  # (N,)

@@ -1,0 +1,183 @@
+"""Grouped fp32 training attention equals sdpa (values and gradients) and is used only where it may be."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations import sdpa_attention
+
+import ragen.models.train_attention as train_attention
+import ragen.train.logprobs as logprobs
+from ragen.models.train_attention import grouped_attention, train_attention_for
+from ragen.train.logprobs import policy_forward
+
+
+def qkv(batch=3, heads=6, kv_heads=2, queries=5, length=9, dim=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    return make(batch, heads, queries, dim), make(batch, kv_heads, length, dim), make(batch, kv_heads, length, dim)
+
+
+def padding_mask(batch, queries, length):
+    """Causal (aligned to the last key) with 0-2 left-padded keys per row: (B, 1, q, L) bool, True = attend."""
+    mask = torch.ones(batch, 1, queries, length, dtype=torch.bool).tril(length - queries)
+    for b in range(batch):
+        mask[b, ..., : b % 3] = False
+    return mask
+
+
+def reference(q, k, v, scale, mask=None, causal=False):
+    """float64 math SDPA on KV heads repeated as transformers' repeat_kv does; (B, q, H, D)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask, scale=scale, is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def values_and_grads(fn, q, k, v):
+    out = fn(q, k, v)
+    upstream = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    return (out, *torch.autograd.grad((out * upstream).sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "causal", "none"])
+def test_values_and_gradients_equal_float64_sdpa(kind):
+    q, k, v = qkv(queries=9 if kind == "causal" else 5)
+    B, Q, L = q.shape[0], q.shape[2], k.shape[2]
+    mask = {"bool": padding_mask(B, Q, L), "none": None, "causal": None,
+            "additive": torch.randn(B, 1, Q, L, generator=torch.Generator().manual_seed(1))}[kind]
+    ours = values_and_grads(lambda q, k, v: grouped_attention(q, k, v, mask, 0.3, causal=kind == "causal"), q, k, v)
+    want = values_and_grads(lambda q, k, v: reference(q, k, v, 0.3, mask, causal=kind == "causal"), q, k, v)
+    assert ours[0].shape == (B, Q, 6, 8) and ours[0].dtype == torch.float32
+    for a, b in zip(ours, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_with_fewer_queries_than_keys_aligns_to_the_last_key():
+    """A continuation of 5 queries on 9 keys (4 cached): query i sees keys 0 .. 4 + i."""
+    q, k, v = qkv()
+    aligned = torch.ones(5, 9, dtype=torch.bool).tril(4)
+    torch.testing.assert_close(grouped_attention(q, k, v, None, 0.3, causal=True).double(),
+                               reference(q, k, v, 0.3, aligned), rtol=1e-5, atol=1e-6)
+
+
+def test_value_heads_may_be_narrower():
+    q, k, _ = qkv()
+    v = torch.randn(3, 2, 9, 4, requires_grad=True)
+    mask = padding_mask(3, 5, 9)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.3).double(), reference(q, k, v, 0.3, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_under_autocast_is_no_less_exact_than_the_flash_kernel():
+    """At an update's shape, output and input gradients against float64: no larger relative error than sdpa's."""
+    q, k, v = qkv(batch=4, heads=9, kv_heads=3, queries=32, length=80, dim=64, dtype=torch.bfloat16)
+    mask = padding_mask(4, 32, 80)
+    want = values_and_grads(lambda q, k, v: reference(q, k, v, 0.125, mask), q, k, v)
+
+    def kernel(q, k, v):
+        rep = lambda x: x.repeat_interleave(3, 1)  # noqa: E731 (what transformers does with a mask)
+        return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask, scale=0.125).transpose(1, 2)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = values_and_grads(lambda q, k, v: grouped_attention(q, k, v, mask, 0.125), q, k, v)
+        flash = values_and_grads(kernel, q, k, v)
+    assert ours[0].dtype == torch.bfloat16
+    for name, a, f, r in zip(("out", "dq", "dk", "dv"), ours, flash, want):
+        err = lambda x: ((x.double() - r).abs().max() / r.abs().max()).item()  # noqa: E731
+        assert err(a) <= err(f), (name, err(a), err(f))
+
+
+def test_rows_with_every_key_masked_stay_finite():
+    q, k, v = qkv()
+    mask = padding_mask(3, 5, 9)
+    mask[1, :, 0] = False  # row 1's first query sees nothing
+    out, dq, dk, dv = values_and_grads(lambda q, k, v: grouped_attention(q, k, v, mask, 0.3), q, k, v)
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[1, 0] = False
+    torch.testing.assert_close(out[keep].double(), reference(q, k, v, 0.3, padding_mask(3, 5, 9))[keep], rtol=1e-5, atol=1e-6)
+
+
+def call(q, k, v, mask, **kwargs):
+    module = torch.nn.Module()
+    module.num_key_value_groups = q.shape[1] // k.shape[1]
+    return train_attention.train_attention(module, q, k, v, mask, scaling=0.3, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["too_big", "dropout", "softcap", "no_mask", "odd_mask"])
+def test_other_calls_go_to_transformers_sdpa(case, monkeypatch):
+    sdpa_calls, grouped_calls = [], []
+    real_sdpa, real_grouped = sdpa_attention.sdpa_attention_forward, train_attention.grouped_attention
+    monkeypatch.setattr(train_attention, "sdpa_attention_forward", lambda *a, **k: sdpa_calls.append(1) or real_sdpa(*a, **k))
+    monkeypatch.setattr(train_attention, "grouped_attention", lambda *a, **k: grouped_calls.append(1) or real_grouped(*a, **k))
+    q, k, v = qkv()
+    mask, kwargs = padding_mask(3, 5, 9), {}
+    if case == "too_big":
+        monkeypatch.setattr(train_attention, "MAX_SCORES", 3 * 6 * 5 * 9 - 1)
+    elif case == "dropout":
+        kwargs["dropout"] = 0.1
+    elif case == "softcap":
+        kwargs["softcap"] = 30.0
+    elif case == "no_mask":
+        mask, kwargs["is_causal"] = None, True  # sdpa's flash kernel on the KV heads, causal half skipped
+    elif case == "odd_mask":
+        mask = mask[:, :, None]  # 5-d: not a mask transformers builds
+    with torch.no_grad():
+        try:
+            call(q, k, v, mask, **kwargs)
+        except (ValueError, RuntimeError):
+            pass  # sdpa may refuse the argument; what matters is who got the call
+    assert sdpa_calls == [1] and grouped_calls == []
+    monkeypatch.setattr(train_attention, "MAX_SCORES", 2**21)
+    call(q, k, v, padding_mask(3, 5, 9))
+    assert grouped_calls == [1]
+
+
+def test_the_switch_is_scoped_restored_on_error_and_leaves_other_implementations_alone(tiny):
+    model, _ = tiny
+    assert model.config._attn_implementation == "sdpa"
+    with train_attention_for(model) as on:
+        assert on and model.config._attn_implementation == train_attention.NAME
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"), train_attention_for(model):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    try:
+        with train_attention_for(model) as on:
+            assert not on and model.config._attn_implementation == "eager"
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_policy_forward_gives_sdpas_logprobs_and_gradients(tiny, monkeypatch):
+    """The update's pass with the switch (its attention calls counted) against the same pass on sdpa."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (4, 18), generator=g)
+    ids[1:, :8] = ids[1, :8]  # rows 1-3 share an 8-token prompt, row 0 has a 6-token one: the prompt pass is padded
+    mask = torch.ones_like(ids)
+    mask[0, 15:] = 0
+    response = torch.zeros(4, 17)
+    response[:, 7:] = 1
+    response[0, 5:7] = 1
+    response[0, 14:] = 0
+    prompt_lengths = torch.tensor([6, 8, 8, 8])
+    calls = []
+    real = train_attention.grouped_attention
+    monkeypatch.setattr(train_attention, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_switch = logprobs.train_attention_for
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(logprobs, "train_attention_for", lambda model, enabled=enabled, _on=enabled: real_switch(model, _on))
+        model.zero_grad(set_to_none=True)
+        out = policy_forward(model, ids, mask, response, prompt_lengths=prompt_lengths)
+        (-(out.logprobs * response).sum()).backward()
+        results.append((out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert len(calls) == 2 * model.config.num_hidden_layers  # padded prompt pass and continuation pass, every layer
+    (lp_a, grads_a), (lp_b, grads_b) = results
+    torch.testing.assert_close(lp_a, lp_b, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_b.items():
+        assert (grads_a[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-9, name
