@@ -181,3 +181,29 @@ def test_policy_forward_gives_sdpas_logprobs_and_gradients(tiny, monkeypatch):
     torch.testing.assert_close(lp_a, lp_b, rtol=1e-5, atol=1e-5)
     for name, grad in grads_b.items():
         assert (grads_a[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-9, name
+
+
+def test_a_checkpointed_model_keeps_sdpa(tiny, monkeypatch):
+    """Its backward recomputes the layers after policy_forward's block: both passes must use one implementation."""
+    import copy
+
+    from ragen.models.checkpointing import enable_checkpointing
+
+    model = copy.deepcopy(tiny[0])
+    model.train()
+    enable_checkpointing(model)
+    calls = []
+    real = train_attention.grouped_attention
+    monkeypatch.setattr(train_attention, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0  # padding: a mask reaches the attention calls
+    response = torch.zeros(3, 11)
+    response[:, 5:] = 1
+    response[0, 8:] = 0
+    out = policy_forward(model, ids, mask, response)
+    (-(out.logprobs * response).sum()).backward()  # would raise torch's CheckpointError on a mismatch
+    assert calls == []
+    with torch.no_grad():  # scoring passes (no backward) still take it
+        policy_forward(model, ids, mask, response)
+    assert calls
