@@ -1,21 +1,23 @@
-"""The update's levers side by side: fused AdamW and the entropy metric off the autograd graph (issue 7).
+"""The update's levers side by side: fused AdamW, the hand-written target log-probs, grouped attention (issue 7).
 
-    .venv/bin/python benchmarks/bench_update.py                 # smollm2-135m, bench_vs_trl's shape, ~4 min
+    .venv/bin/python benchmarks/bench_update.py                 # smollm2-135m, bench_vs_trl's shape, ~2 min
+    .venv/bin/python benchmarks/bench_update.py --shape main    # the main job's shape (bandit preset as is)
     .venv/bin/python benchmarks/bench_update.py --model tiny --rounds 1
 
-One real rollout at ``bench_vs_trl.py``'s shape (the ``bandit`` preset, 2 prompts x 8
-completions, exactly 64 new tokens, one micro-batch, ``ppo_epochs=1``) gives the batch; its
-rewards are then set to ``i % 3`` so that advantages are non-zero and every update runs a
-backward pass. The same trainer then updates on that batch with two arms, alternated
-(A B B A ...) for ``--rounds`` rounds after one warm-up round:
+One real rollout gives the batch: at ``--shape trl`` (default) ``bench_vs_trl.py``'s shape (the
+``bandit`` preset, 2 prompts x 8 completions, exactly 64 new tokens, one micro-batch,
+``ppo_epochs=1``), at ``--shape main`` the ``bandit`` preset's own (8 groups x 4, answers of at
+most 16 tokens, micro-batches of 16). Its rewards are then set to ``i % 3`` so that advantages are
+non-zero and every update runs a backward pass. The same trainer then updates on that batch with
+two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up round:
 
 ``plain``
     What the update did before the levers: torch's for-loop AdamW (``foreach=False``, the CPU
-    default) and the entropy metric inside the autograd graph (as ``loss - 0 * entropy`` had it:
-    the backward pass then runs through the entropy's ``(n, V)`` exp/mul/sum).
+    default), log-probs and entropy through autograd's log-softmax with the entropy in the graph
+    (as ``loss - 0 * entropy`` had it), and transformers' ``sdpa`` attention for every call.
 ``levers``
-    As shipped: fused AdamW (:mod:`ragen.train.optimizer`) and the entropy computed from
-    detached log-probs when ``entropy_coeff`` is 0.
+    As shipped: fused AdamW (:mod:`ragen.train.optimizer`), :mod:`ragen.train.target_logprobs`
+    (entropy as a metric when ``entropy_coeff`` is 0) and :mod:`ragen.models.train_attention`.
 
 Each arm keeps its own optimizer (moments), so both take the same kind of step. Printed: the
 command, machine, per-round seconds and the median ratio of same-round pairs.
@@ -43,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shape", choices=("trl", "main"), default="trl", help="bench_vs_trl's batch or the main job's")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="trainer.precision")
     args = ap.parse_args(argv)
 
     import torch
 
+    import ragen.train.logprobs as logprobs_module
     import ragen.train.trainer as trainer_module
     from ragen.config import load_config
     from ragen.models import SamplingParams
@@ -55,17 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"machine: {machine()}; torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    shape = ["rollout.env_groups=2", "rollout.group_size=8", "rollout.max_new_tokens=64", "algorithm.ppo_epochs=1",
+             "algorithm.mini_batch_size=0", "algorithm.micro_batch_size=16"] if args.shape == "trl" else []
     config = load_config("bandit", [
-        f"model={args.model}", "trainer.device=cpu", "rollout.env_groups=2", "rollout.group_size=8",
-        "rollout.max_new_tokens=64", "optim.warmup_steps=0", "algorithm.ppo_epochs=1", "algorithm.mini_batch_size=0",
-        "algorithm.micro_batch_size=16", "trainer.precision=fp32", f"trainer.output_dir=/tmp/bench_update-{os.getpid()}",
+        f"model={args.model}", "trainer.device=cpu", *shape, "optim.warmup_steps=0",
+        f"trainer.precision={args.precision}", f"trainer.output_dir=/tmp/bench_update-{os.getpid()}",
         "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.plot=false", "trainer.save_final=false",
         "trainer.logger=[jsonl]",
     ])
     trainer = trainer_module.StarPOTrainer(config)
+    print(f"shape {args.shape}, precision {args.precision} -> {config.trainer.precision}", flush=True)
     r = config.rollout
-    trainer.train_rollout.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, stop=())
-    trainer.model.generation_config.min_new_tokens = r.max_new_tokens
+    if args.shape == "trl":
+        trainer.train_rollout.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, stop=())
+        trainer.model.generation_config.min_new_tokens = r.max_new_tokens
     trajectories = trainer.rollout(1)
     for i, t in enumerate(trajectories):
         t.turns[-1].env_reward = float(i % 3)  # non-zero advantages: every update runs its backward pass
@@ -73,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch: {len(trajectories)} episodes, {tokens} tokens, {sum(t.response_length for t in trajectories)} response tokens")
 
     shipped_forward = trainer_module.policy_forward
+    shipped_attention = logprobs_module.train_attention_for
+    sdpa_only = lambda model, enabled=True: shipped_attention(model, enabled=False)  # noqa: E731
 
     def entropy_in_graph(*a, **kw):  # the old cost: the entropy's graph hangs off the loss
         kw["entropy_grad"] = True
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in (list(optimizers) if rnd % 2 == 0 else list(optimizers)[::-1]):
             trainer.optimizer = optimizers[arm]
             trainer_module.policy_forward = entropy_in_graph if arm == "plain" else shipped_forward
+            logprobs_module.train_attention_for = sdpa_only if arm == "plain" else shipped_attention
             start = time.perf_counter()
             metrics = trainer.update(trajectories)
             took = time.perf_counter() - start
@@ -100,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[arm].append(took)
             print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s", flush=True)
     trainer_module.policy_forward = shipped_forward
+    logprobs_module.train_attention_for = shipped_attention
     plain, levers = statistics.median(times["plain"]), statistics.median(times["levers"])
     paired = statistics.median(a / b for a, b in zip(times["plain"], times["levers"]))
     print(f"update, median of {args.rounds} rounds: plain {plain:.2f} s, levers {levers:.2f} s: {plain / levers:.2f}x "
