@@ -9,7 +9,8 @@ One real rollout gives the batch: at ``--shape trl`` (default) ``bench_vs_trl.py
 ``ppo_epochs=1``), at ``--shape main`` the ``bandit`` preset's own (8 groups x 4, answers of at
 most 16 tokens, micro-batches of 16). Its rewards are then set to ``i % 3`` so that advantages are
 non-zero and every update runs a backward pass. The same trainer then updates on that batch with
-two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up round:
+two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up round, in
+``--precision`` (default ``auto``: bf16 where the CPU has it; fp32 until this stop):
 
 ``plain``
     What the update did before the levers: torch's for-loop AdamW (``foreach=False``, the CPU
@@ -98,20 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     assert optimizers["levers"].param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
     times: dict[str, list[float]] = {arm: [] for arm in optimizers}
     contention = Contention()
-    for rnd in range(args.rounds + 1):
-        for arm in (list(optimizers) if rnd % 2 == 0 else list(optimizers)[::-1]):
-            trainer.optimizer = optimizers[arm]
-            trainer_module.policy_forward = entropy_in_graph if arm == "plain" else shipped_forward
-            logprobs_module.train_attention_for = sdpa_only if arm == "plain" else shipped_attention
-            start = time.perf_counter()
-            metrics = trainer.update(trajectories)
-            took = time.perf_counter() - start
-            assert metrics.get("actor/backward_skipped", 0.0) == 0.0
-            if rnd:
-                times[arm].append(took)
-            print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s", flush=True)
-    trainer_module.policy_forward = shipped_forward
-    logprobs_module.train_attention_for = shipped_attention
+    try:
+        for rnd in range(args.rounds + 1):
+            for arm in (list(optimizers) if rnd % 2 == 0 else list(optimizers)[::-1]):
+                trainer.optimizer = optimizers[arm]
+                trainer_module.policy_forward = entropy_in_graph if arm == "plain" else shipped_forward
+                logprobs_module.train_attention_for = sdpa_only if arm == "plain" else shipped_attention
+                start = time.perf_counter()
+                metrics = trainer.update(trajectories)
+                took = time.perf_counter() - start
+                assert metrics.get("actor/backward_skipped", 0.0) == 0.0
+                if rnd:
+                    times[arm].append(took)
+                print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s", flush=True)
+    finally:
+        trainer_module.policy_forward = shipped_forward
+        logprobs_module.train_attention_for = shipped_attention
     plain, levers = statistics.median(times["plain"]), statistics.median(times["levers"])
     paired = statistics.median(a / b for a, b in zip(times["plain"], times["levers"]))
     print(f"update, median of {args.rounds} rounds: plain {plain:.2f} s, levers {levers:.2f} s: {plain / levers:.2f}x "

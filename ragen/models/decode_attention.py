@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from ragen.models.device import model_device
+from ragen.models.lora import base_model
 
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_decode"
@@ -80,6 +81,15 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks ``sdpa`` gets
 assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is sdpa_mask
 
 
+def supports_attention_backend(model) -> bool:
+    """Whether the model's attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
+
+    transformers' ``_supports_attention_backend`` class flag. Models without it (Falcon, say) test the
+    name ``"sdpa"`` themselves and would take another branch under any other name.
+    """
+    return bool(getattr(type(base_model(model)), "_supports_attention_backend", False))
+
+
 @contextlib.contextmanager
 def decode_attention_for(model, enabled: bool = True):
     """Within the block, a CPU model that uses ``sdpa`` attends with :func:`decode_attention`; yields whether it does.
@@ -92,7 +102,7 @@ def decode_attention_for(model, enabled: bool = True):
     # not for composite configs: transformers' setter writes the name into every sub-config, and restoring
     # "sdpa" would overwrite a sub-model's own choice (a vision tower on "eager", say)
     switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu" \
-        and not getattr(config, "sub_configs", None)
+        and not getattr(config, "sub_configs", None) and supports_attention_backend(model)
     if switch:
         config._attn_implementation = NAME
     try:

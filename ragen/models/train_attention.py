@@ -19,7 +19,8 @@ memory each time). Hence :func:`train_attention` takes this path only with a 4-d
 ``B·H·q·L ≤`` :data:`MAX_SCORES`, on the CPU, without dropout, soft-capping, sinks or any argument it
 does not know, and hands every other call to transformers' ``sdpa`` unchanged. The bound also caps the
 probabilities kept for the backward at 2 MB per layer (flash keeps ``(B, H, q)``). Rows whose every
-key is masked (left padding) get finite, unused outputs instead of NaN. :func:`train_attention_for`
+key is masked (left padding) get the mean of the values where torch's sdpa returns zeros: finite
+either way, and such rows are padding, never read by a loss. :func:`train_attention_for`
 switches a model to it for a ``with`` block (:func:`ragen.train.logprobs.policy_forward` does so around
 the decoder, except on a checkpointed model, whose backward recomputes layers outside the block).
 """
@@ -34,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from ragen.models.device import model_device
+from ragen.models.decode_attention import supports_attention_backend
 
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_grouped"
@@ -58,7 +60,10 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kv_heads, L = key.shape[1], key.shape[2]
     g = H // kv_heads
     lowest = torch.finfo(torch.float32).min
-    with torch.autocast(query.device.type, enabled=False):
+    device = query.device.type
+    # sdpa's output dtype: autocast's under autocast (q and k may arrive fp32 from RoPE, v in bf16), else the query's
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    with torch.autocast(device, enabled=False):
         q = query.float().reshape(B, kv_heads, g * Q, D)  # (B, H_kv, g·q, D): a KV head's query heads stacked
         scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g·q, L)
         scores = scores.view(B, kv_heads, g, Q, L)  # (B, H_kv, g, q, L)
@@ -72,7 +77,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                 scores = scores + mask.float()
         probs = torch.softmax(scores, dim=-1).view(B, kv_heads, g * Q, L)  # (B, H_kv, g·q, L)
         out = torch.matmul(probs, value.float())  # (B, H_kv, g·q, Dv)
-    return out.view(B, H, Q, -1).transpose(1, 2).to(query.dtype).contiguous()  # (B, q, H, Dv)
+    return out.view(B, H, Q, -1).transpose(1, 2).to(out_dtype).contiguous()  # (B, q, H, Dv)
 
 
 def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float,
@@ -115,7 +120,7 @@ def train_attention_for(model, enabled: bool = True):
     """
     config = model.config
     switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu" \
-        and not getattr(config, "sub_configs", None)
+        and not getattr(config, "sub_configs", None) and supports_attention_backend(model)
     if switch:
         config._attn_implementation = NAME
     try:

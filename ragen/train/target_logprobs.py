@@ -75,7 +75,8 @@ class TargetLogProbs(torch.autograd.Function):
                 entropy[start:end] = log_mass - weighted / mass  # H = log S - Σ π z'
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        ctx.overwrite = overwrite
+        # only a tensor autograd made and nothing else views (a leaf's data or a base tensor would change under the caller)
+        ctx.overwrite = overwrite and not logits.is_leaf and logits._base is None and logits.is_contiguous()
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -87,7 +88,7 @@ class TargetLogProbs(torch.autograd.Function):
         # (n, V) the logits' dtype (bf16 under autocast). Overwriting: each block is read into the fp32
         # buffer before its gradient is written back, and the write bumps the logits' version counter,
         # so a second backward through this node (retain_graph) raises instead of reading gradients.
-        grad = logits.detach() if ctx.overwrite and logits.is_contiguous() else torch.empty_like(logits)
+        grad = logits.detach() if ctx.overwrite else torch.empty_like(logits)
         buffer = logits.new_empty((min(ROWS, logits.shape[0]), logits.shape[1]), dtype=lse.dtype)
         g = grad_logp.to(lse.dtype)
         for start, end in _blocks(logits.shape[0]):

@@ -207,3 +207,29 @@ def test_a_checkpointed_model_keeps_sdpa(tiny, monkeypatch):
     with torch.no_grad():  # scoring passes (no backward) still take it
         policy_forward(model, ids, mask, response)
     assert calls
+
+
+@pytest.mark.parametrize("switch", ["train", "decode"])
+def test_models_that_test_the_sdpa_name_themselves_are_not_switched(tiny, monkeypatch, switch):
+    """Without transformers' ``_supports_attention_backend`` (Falcon) a model compares the name with "sdpa"
+    itself and would take another branch under ours: no switch."""
+    from ragen.models.decode_attention import decode_attention_for
+
+    model, _ = tiny
+    monkeypatch.setattr(type(model), "_supports_attention_backend", False)
+    with (train_attention_for if switch == "train" else decode_attention_for)(model) as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_without_a_layers_list_still_trains():
+    """GPT-2 keeps its blocks in ``h``: the checkpointing check must not stop its training pass."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64)).train()
+    ids = torch.randint(0, 97, (2, 10))
+    response = torch.zeros(2, 9)
+    response[:, 4:] = 1
+    out = policy_forward(model, ids, torch.ones_like(ids), response)
+    (-(out.logprobs * response).sum()).backward()
+    assert model.transformer.wte.weight.grad is not None

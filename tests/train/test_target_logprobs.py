@@ -59,6 +59,19 @@ def test_overwriting_the_logits_gives_the_same_gradient_and_refuses_a_second_bac
     assert torch.equal(grads[0], grads[1])
 
 
+def test_leaves_and_views_are_never_overwritten():
+    """overwrite_logits applies only to a tensor autograd made that nothing else views."""
+    leaf = torch.randn(6, 40, requires_grad=True)
+    before = leaf.detach().clone()
+    targets = torch.randint(40, (6,))
+    target_logprobs(leaf, targets, overwrite_logits=True)[0].sum().backward()
+    assert torch.equal(leaf.detach(), before)
+    base = torch.randn(6, 80, requires_grad=True) * 1.0  # non-leaf; a slice of it is a view
+    kept = base.detach().clone()
+    target_logprobs(base[:, :40], targets, overwrite_logits=True)[0].sum().backward()
+    assert torch.equal(base.detach(), kept)
+
+
 def test_gradcheck_in_float64_across_small_blocks(monkeypatch):
     monkeypatch.setattr(target_module, "ROWS", 2)  # 5 rows: blocks of 2, 2 and 1
     logits, targets = case(n=5, V=7, dtype=torch.float64, scale=2.0)
