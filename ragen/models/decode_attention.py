@@ -22,22 +22,13 @@ block -- :class:`~ragen.models.backend.HFBackend` does so around ``generate`` --
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-from ragen.models.device import model_device
-from ragen.models.lora import base_model
+from ragen.models.attention_switch import attention_switch, harmless, register
 
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_decode"
-
-#: Keyword arguments the one-query path understands (it ignores none that would change the result).
-_HARMLESS_KWARGS = {"position_ids", "cache_position", "output_attentions", "use_cache", "past_key_values",
-                    "position_embeddings", "sliding_window"}
 
 
 def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -63,7 +54,7 @@ def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention
         return False
     if attention_mask is not None or dropout != 0.0 or torch.is_grad_enabled() or query.device.type != "cpu":
         return False
-    return all(k in _HARMLESS_KWARGS or v is None or v is False for k, v in kwargs.items())
+    return harmless(kwargs)
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -76,37 +67,10 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     return one_query_attention(query, key, value, scale), None
 
 
-AttentionInterface.register(NAME, decode_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks ``sdpa`` gets
-assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is sdpa_mask
+register(NAME, decode_attention)
 
 
-def supports_attention_backend(model) -> bool:
-    """Whether the model's attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
-
-    transformers' ``_supports_attention_backend`` class flag. Models without it (Falcon, say) test the
-    name ``"sdpa"`` themselves and would take another branch under any other name.
-    """
-    return bool(getattr(type(base_model(model)), "_supports_attention_backend", False))
-
-
-@contextlib.contextmanager
 def decode_attention_for(model, enabled: bool = True):
-    """Within the block, a CPU model that uses ``sdpa`` attends with :func:`decode_attention`; yields whether it does.
-
-    Only the attention implementation name in the model's config changes (transformers reads it at
-    every call), and it is restored on exit, even on error. Models on another implementation
-    (eager, flash, flex) or device are left alone.
-    """
-    config = model.config
-    # not for composite configs: transformers' setter writes the name into every sub-config, and restoring
-    # "sdpa" would overwrite a sub-model's own choice (a vision tower on "eager", say)
-    switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu" \
-        and not getattr(config, "sub_configs", None) and supports_attention_backend(model)
-    if switch:
-        config._attn_implementation = NAME
-    try:
-        yield switch
-    finally:
-        if switch:
-            config._attn_implementation = "sdpa"
+    """Within the block, a CPU model that uses ``sdpa`` attends with :func:`decode_attention`; yields whether it does
+    (:func:`~ragen.models.attention_switch.attention_switch`)."""
+    return attention_switch(model, NAME, enabled)

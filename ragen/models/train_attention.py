@@ -27,25 +27,16 @@ the decoder, except on a checkpointed model, whose backward recomputes layers ou
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-from ragen.models.device import model_device
-from ragen.models.decode_attention import supports_attention_backend
+from ragen.models.attention_switch import attention_switch, harmless, register
 
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_grouped"
 
 #: Largest ``B · H · q · L`` (elements of one layer's probabilities) computed explicitly: 2 MB of fp32.
 MAX_SCORES = 2**19
-
-#: Keyword arguments that do not change the result.
-_HARMLESS_KWARGS = {"position_ids", "cache_position", "output_attentions", "use_cache", "past_key_values",
-                    "position_embeddings", "sliding_window"}
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -93,7 +84,7 @@ def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
             or attention_mask.shape[0] not in (1, B):
         return False
-    return all(k in _HARMLESS_KWARGS or v is None or v is False for k, v in kwargs.items())
+    return harmless(kwargs)
 
 
 def train_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -106,25 +97,10 @@ def train_attention(module, query, key, value, attention_mask, dropout: float = 
     return grouped_attention(query, key, value, attention_mask, scale), None
 
 
-AttentionInterface.register(NAME, train_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks ``sdpa`` gets
-assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is sdpa_mask
+register(NAME, train_attention)
 
 
-@contextlib.contextmanager
 def train_attention_for(model, enabled: bool = True):
-    """Within the block, a CPU model that uses ``sdpa`` attends with :func:`train_attention`; yields whether it does.
-
-    Only the attention implementation name in the model's config changes, restored on exit (also on
-    error); composite configs (sub-configs) and other implementations or devices are left alone.
-    """
-    config = model.config
-    switch = enabled and getattr(config, "_attn_implementation", None) == "sdpa" and model_device(model).type == "cpu" \
-        and not getattr(config, "sub_configs", None) and supports_attention_backend(model)
-    if switch:
-        config._attn_implementation = NAME
-    try:
-        yield switch
-    finally:
-        if switch:
-            config._attn_implementation = "sdpa"
+    """Within the block, a CPU model that uses ``sdpa`` attends with :func:`train_attention`; yields whether it does
+    (:func:`~ragen.models.attention_switch.attention_switch`)."""
+    return attention_switch(model, NAME, enabled)
