@@ -45,5 +45,10 @@ def is_checkpointing(model) -> bool:
     """True if any decoder layer of ``model`` is set to checkpoint (the flag transformers sets on each).
 
     Asked on every training forward pass (:func:`ragen.train.logprobs.decoder_hidden`), so it reads
-    the decoder's layer list rather than walking every module."""
-    return any(getattr(layer, "gradient_checkpointing", False) is True for layer in decoder_layers(model))
+    the decoder's layer list rather than walking every module -- except for models whose layers are not
+    in ``decoder.layers`` (GPT-2's ``h``, say), where it walks the modules."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        layers = base_model(model).modules()
+    return any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)

@@ -39,14 +39,6 @@ def embeds_equal_ids(decoder) -> bool:
     return "per_layer_inputs" not in inspect.signature(decoder.forward).parameters
 
 
-def _may_checkpoint(model) -> bool:
-    """:func:`is_checkpointing`, or True where the decoder's layers cannot be listed (GPT-2's ``h``, say)."""
-    try:
-        return is_checkpointing(model)
-    except ValueError:
-        return True
-
-
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states ``(B, L, H)`` of a right-padded batch.
@@ -149,7 +141,7 @@ def policy_forward(
     base = base_model(model)
     # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
     # whose backward recomputes the layers after this block has switched the implementation back
-    with train_attention_for(model, enabled=not (torch.is_grad_enabled() and _may_checkpoint(model))):
+    with train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))):
         hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
