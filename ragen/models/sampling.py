@@ -82,8 +82,7 @@ class InverseCDFSampler(LogitsProcessor):
                 warpers.append(TopKLogitsWarper(top_k))
             if top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p))
-        self.warpers = LogitsProcessorList(warpers)
-        self.tempered = bool(warpers)
+        self.warpers = LogitsProcessorList(warpers)  # empty: T is applied inside the exp
         self.generator = generator
         self._buffer: torch.Tensor | None = None
 
@@ -96,7 +95,7 @@ class InverseCDFSampler(LogitsProcessor):
         scores = self.warpers(input_ids, scores)  # (B, V)
         weights = self._weights_buffer(scores)  # (B, V) float32, reused every step
         torch.sub(scores, scores.amax(-1, keepdim=True), out=weights)  # z - max z ≤ 0 (-inf stays -inf)
-        if not self.tempered and self.temperature != 1.0:
+        if not self.warpers and self.temperature != 1.0:
             weights.div_(self.temperature)
         weights.exp_()  # w = exp((z - max z) / T) ∈ [0, 1]: softmax's numerator
         u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
