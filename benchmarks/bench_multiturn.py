@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_multiturn.py                               # 64 Sokoban envs x 5 turns, embedded model
     .venv/bin/python benchmarks/bench_multiturn.py --model tiny --groups 4        # smoke run (seconds)
+    .venv/bin/python benchmarks/bench_multiturn.py --kv-max-gb 0.1                # + an arm with a kept-cache budget
 
 Both arms build a real :class:`StarPOTrainer` from the ``sokoban`` preset (SimpleSokoban,
 ``context_mode=full``) with the same seed, and time one ``trainer.rollout(1)``: every
@@ -14,7 +15,8 @@ generated tokens/s, prompt tokens prefilled and reused, prefill seconds (the for
 the prompt before sampling) and decode seconds (``generate``). "History" tokens are prompt
 tokens the same episode had already put through the model in an earlier turn (its earlier
 prompts and replies); their time is the prefill time in proportion to their share of the
-prefilled tokens.
+prefilled tokens. For the kept arms also: the most bytes of kept caches held at once between
+turns and how many rows' caches a budget (``rollout.reuse_kv_max_gb``) refused.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def history_tokens(trajectories) -> int:
     return sum(end for traj in trajectories for (_, end) in traj.turn_spans[:-1])
 
 
-def run_arm(reuse_kv: bool, args) -> dict:
+def run_arm(reuse_kv: bool, args, max_gb: float | None = None) -> dict:
     from ragen.config import load_config
     from ragen.train.trainer import StarPOTrainer
 
@@ -51,6 +53,7 @@ def run_arm(reuse_kv: bool, args) -> dict:
             f"agent.max_turn={args.turns}", f"agent.max_actions_per_traj={2 * args.turns}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.groups * args.group_size}",
             f"rollout.reuse_kv={str(reuse_kv).lower()}", f"trainer.num_threads={args.threads}",
+            *([f"rollout.reuse_kv_max_gb={max_gb}"] if max_gb is not None else []), f"trainer.precision={args.precision}",
             "trainer.progress_bar=false", f"trainer.output_dir={tmp}/run",
         ])
         trainer = StarPOTrainer(config)
@@ -58,6 +61,8 @@ def run_arm(reuse_kv: bool, args) -> dict:
         start = time.perf_counter()
         trajectories = trainer.rollout(1)
         rollout_s = time.perf_counter() - start
+        kept = trainer.backend.prefix_cache
+        budget = config.rollout.reuse_kv_max_gb
         del trainer
         gc.collect()
     generated = sum(t.response_length for t in trajectories)
@@ -65,7 +70,9 @@ def run_arm(reuse_kv: bool, args) -> dict:
     # Of the prompt tokens prefilled this rollout, those already seen by the episode's earlier turns:
     history_prefilled = history - stats.reused_tokens
     return {
-        "arm": "kept KV caches" if reuse_kv else "re-encode history",
+        "arm": (f"kept KV caches, {budget:g} GB budget" if reuse_kv else "re-encode history"),
+        "kept_peak_mb": kept.peak_nbytes / 2**20 if kept is not None else 0.0,
+        "refused": kept.refused if kept is not None else 0,
         "rollout_s": rollout_s, "generated": generated, "turns": sum(len(t.turns) for t in trajectories),
         "prefilled": stats.prefilled_tokens, "reused": stats.reused_tokens, "history_prefilled": history_prefilled,
         "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
@@ -82,6 +89,9 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=5, help="agent.max_turn")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2, help="trainer.num_threads")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="trainer.precision")
+    p.add_argument("--kv-max-gb", type=float, default=None,
+                   help="also run a kept-caches arm with this rollout.reuse_kv_max_gb (the others use the default)")
     args = p.parse_args(argv)
 
     import torch
@@ -90,21 +100,26 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"settings: model={args.model} sokoban (6x6, 1 box, context_mode=full) {args.groups}x{args.group_size} envs, "
-          f"{args.turns} turns, max_new_tokens={args.max_new_tokens}, temperature 1.0, threads={args.threads}")
+          f"{args.turns} turns, max_new_tokens={args.max_new_tokens}, temperature 1.0, threads={args.threads}, "
+          f"precision {args.precision}")
     arms = [run_arm(False, args), run_arm(True, args)]
-    same = arms[0]["ids"] == arms[1]["ids"]
+    if args.kv_max_gb is not None:
+        arms.append(run_arm(True, args, args.kv_max_gb))
+    same = all(a["ids"] == arms[0]["ids"] for a in arms)
 
     print()
     print("| arm | rollout s | turns played | generated tok/s | prompt tokens prefilled | reused from kept caches "
-          "| prefill s | decode s | history re-encoded: tokens | history re-encoding: s (share of rollout) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| prefill s | decode s | history re-encoded: tokens | history re-encoding: s (share of rollout) "
+          "| kept caches, most at once | caches refused by the budget |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for a in arms:
         print(f"| {a['arm']} | {a['rollout_s']:.1f} | {a['turns']} | {a['generated'] / a['rollout_s']:.1f} | "
               f"{a['prefilled']:,} | {a['reused']:,} | {a['prefill_s']:.1f} | {a['decode_s']:.1f} | "
-              f"{a['history_prefilled']:,} | {a['history_s']:.1f} ({100 * a['history_s'] / a['rollout_s']:.1f} %) |")
+              f"{a['history_prefilled']:,} | {a['history_s']:.1f} ({100 * a['history_s'] / a['rollout_s']:.1f} %) | "
+              f"{a['kept_peak_mb']:,.0f} MB | {a['refused']} |")
     print()
     print(f"rollout speed-up from kept caches: {arms[0]['rollout_s'] / arms[1]['rollout_s']:.2f}x; "
-          f"same sampled tokens in both arms: {same}")
+          f"same sampled tokens in every arm: {same}")
     return 0
 
 

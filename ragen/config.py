@@ -126,9 +126,14 @@ class RolloutConfig:
     #: Sequences per ``generate`` call.
     batch_size: int = 64
     #: Keep each episode's KV cache between turns so a turn prefills only its new tokens
-    #: (``context_mode=full``, HF engine; ``ragen/models/prefix_cache.py``). Same tokens either way;
-    #: costs memory for one cache per episode during a rollout.
+    #: (``context_mode=full``, HF engine; ``ragen/models/prefix_cache.py``). Same tokens either way in
+    #: fp32 (under bf16 a split prefill rounds differently); costs memory for one cache per episode
+    #: during a rollout, up to ``reuse_kv_max_gb``.
     reuse_kv: bool = True
+    #: Most GB of kept KV caches between turns (``reuse_kv``); an episode whose cache does not fit
+    #: prefills its history again at its next turn (same tokens, more work). Bounds ``ragen eval`` of
+    #: hundreds of long episodes in one rollout, which held ~19 GB without it.
+    reuse_kv_max_gb: float = 4.0
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ`` and a KV cache
     #: that grows in place (ragen/models/transposed_gemm.py, growing_cache.py). Same tokens up to float
     #: rounding of the logits; false = transformers' plain path.
@@ -358,6 +363,8 @@ def validate(config: RunConfig) -> None:
              "(torch.distributed.fsdp.fully_shard with FSDPModule.set_force_sum_reduction_for_comms)")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
+    need(config.rollout.reuse_kv_max_gb > 0, "rollout.reuse_kv_max_gb",
+         "must be > 0 (rollout.reuse_kv=false keeps no caches at all)")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
     need(config.optim.trainable_layers >= 0, "optim.trainable_layers", "must be >= 0 (0 = every layer trains)")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")

@@ -16,6 +16,7 @@ from ragen.config import ConfigError, load_config
         ("trainer.total_steps=abc", "config key 'trainer.total_steps'"),
         ("nonsense=1", "config key 'nonsense'"),
         ("rollout.group_size=0", "config key 'rollout.group_size': must be >= 1"),
+        ("rollout.reuse_kv_max_gb=0", "config key 'rollout.reuse_kv_max_gb': must be > 0"),
         ("trainer.precision=fp8", "config key 'trainer.precision'"),
         ("notakeyvalue", "is not key=value"),
     ],

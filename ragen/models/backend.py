@@ -80,7 +80,10 @@ class HFBackend:
 
     ``reuse_kv=True`` keeps each row's KV cache between calls made inside one
     :meth:`session` with ``keep_kv`` (one ``Rollout.run``): a prompt that extends an earlier
-    prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`).
+    prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`), up to
+    ``reuse_kv_max_bytes`` of kept caches (None: no bound); rows beyond it prefill as usual, in
+    batches of their own (a batch mixing them with resuming rows would run every row's new block
+    at the width of a whole history).
 
     ``sampler="inverse_cdf"`` (default) draws sampled tokens with
     :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
@@ -108,8 +111,8 @@ class HFBackend:
     SAMPLERS = ("inverse_cdf", "multinomial")
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
-                 sampler: str = "inverse_cdf", transposed_gemm: bool = True, grow_cache: bool = True,
-                 decode_attention: bool = True):
+                 reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
+                 grow_cache: bool = True, decode_attention: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -120,7 +123,7 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.precision = precision
         self.batch_size = batch_size
-        self.prefix_cache = PrefixKVCache() if reuse_kv and model.config.use_cache else None
+        self.prefix_cache = PrefixKVCache(reuse_kv_max_bytes) if reuse_kv and model.config.use_cache else None
         self.stats = PrefillStats()
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -129,9 +132,11 @@ class HFBackend:
 
     @classmethod
     def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
-        """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``, ``fast_decode``)."""
+        """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``,
+        ``reuse_kv_max_gb``, ``fast_decode``)."""
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
+                   reuse_kv_max_bytes=int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode)
 
     @contextlib.contextmanager
@@ -149,11 +154,20 @@ class HFBackend:
             # Every episode still playing is in this call, so an entry no prompt took belongs to an
             # episode that ended (or whose prompts do not extend each other): it is dead.
             self.prefix_cache.clear()
-        out: list[Generation] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            batch_kept, kept[start:end] = kept[start:end], [None] * len(kept[start:end])  # the batch owns them now
-            out.extend(self._generate_batch(prompts[start:end], params, batch_kept, keeping))
+        # Rows resuming a kept cache prefill a few new tokens, rows without one their whole prompt.
+        # In one batch every row would run the longest new block through the model (a whole history,
+        # when the budget refused some rows' caches), so the two kinds are batched apart.
+        resuming = [i for i, k in enumerate(kept) if k is not None]
+        fresh = [i for i, k in enumerate(kept) if k is None]
+        out: list[Generation | None] = [None] * len(prompts)
+        for rows in (resuming, fresh):
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                batch_kept = [kept[i] for i in chunk]
+                for i in chunk:
+                    kept[i] = None  # the batch owns them now
+                for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, batch_kept, keeping)):
+                    out[i] = generation
         return out
 
     def _generate_batch(
@@ -305,8 +319,14 @@ class HFBackend:
         if not layers or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
             return  # sliding-window, quantized, ... caches are not re-laid out here; those rows prefill as usual
         width, cached = attention_mask.shape[1], cache.get_seq_length()
+        # bytes one token's keys and values take over all layers
+        token_bytes = sum(layer.keys[0, :, 0].numel() * layer.keys.element_size()
+                          + layer.values[0, :, 0].numel() * layer.values.element_size() for layer in layers)
         for row, (prompt, gen) in enumerate(zip(prompts, generations)):
             k = min(len(gen.token_ids), cached - width)  # the last sampled token was never fed back
+            if not self.prefix_cache.fits(token_bytes * (len(prompt) + k)):
+                self.prefix_cache.refused += 1  # over the budget: this episode prefills its history next turn
+                continue
             columns = torch.cat([attention_mask[row].nonzero().squeeze(1),
                                  torch.arange(width, width + k, device=attention_mask.device)])
             self.prefix_cache.put(CachedPrefix(

@@ -52,14 +52,32 @@ def test_entries_live_only_inside_an_enabled_session():
     assert len(kept) == 0  # cleared on exit: nothing outlives a rollout (the weights change after it)
 
 
+def test_a_budget_refuses_entries_that_do_not_fit_and_take_frees_their_bytes():
+    size = entry([1, 2]).nbytes  # keys and values of two tokens: 2 * (2 * 2 * 4) floats
+    assert size == 2 * 2 * 2 * 4 * 4
+    kept = PrefixKVCache(max_bytes=2 * size)
+    with kept.session():
+        kept.put(entry([1, 2]))
+        kept.put(entry([3, 4]))
+        assert kept.nbytes == 2 * size and kept.fits(0) and not kept.fits(1)
+        kept.put(entry([5, 6]))  # over the budget: not kept
+        assert len(kept) == 2 and kept.refused == 1 and kept.take([5, 6, 7]) is None
+        assert kept.take([1, 2, 9]) is not None and kept.nbytes == size
+        kept.put(entry([5, 6]))  # room again
+        assert len(kept) == 2 and kept.nbytes == 2 * size and kept.refused == 1
+    assert kept.nbytes == 0  # the session's end frees everything
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixKVCache(max_bytes=-1)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny")
 
 
-def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3)):
+def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3), max_bytes=None):
     model, tokenizer = tiny
-    backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=reuse_kv)
+    backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=reuse_kv, reuse_kv_max_bytes=max_bytes)
     settings = settings or AgentSettings(max_turn=4, max_actions_per_turn=2)
     sampling = SamplingParams(max_new_tokens=20, do_sample=do_sample, temperature=1.0, stop=("</answer>",))
     rollout = Rollout(backend, tokenizer, settings, sampling)
@@ -80,6 +98,38 @@ def test_rollout_with_kept_caches_plays_the_same_tokens_and_prefills_far_fewer(t
     # turns 2-4 prefill only the reply's last token and the env's answer, not the history
     assert kept.stats.prefilled_tokens < 0.5 * plain.stats.prefilled_tokens
     assert len(kept.prefix_cache) == 0  # the session ended with the rollout
+
+
+def test_a_budget_bounds_the_kept_caches_and_plays_the_same_tokens(tiny, monkeypatch):
+    """Over the budget some episodes prefill their history again: same tokens, prefill work in between.
+
+    Greedy: rows with and without a kept cache run in separate batches, so a sampled run draws
+    its random numbers in another row order (same distribution, other draws).
+    """
+    held: dict[int, list[int]] = {}  # bytes each cache held after every put
+    mixed = []  # batches holding rows with and without a kept cache
+    real_put, real_batch = PrefixKVCache.put, HFBackend._generate_batch
+
+    def put(self, entry):
+        real_put(self, entry)
+        held.setdefault(id(self), []).append(self.nbytes)
+
+    def generate_batch(self, prompts, params, kept, keeping):
+        mixed.append(len({k is None for k in kept}) > 1)
+        return real_batch(self, prompts, params, kept, keeping)
+
+    monkeypatch.setattr(PrefixKVCache, "put", put)
+    monkeypatch.setattr(HFBackend, "_generate_batch", generate_batch)
+    full_trajs, full = play(tiny, True, do_sample=False)
+    plain_trajs, plain = play(tiny, False, do_sample=False)
+    budget = max(held[id(full.prefix_cache)]) // 2
+    bounded_trajs, bounded = play(tiny, True, do_sample=False, max_bytes=budget)
+    assert [t.input_ids for t in bounded_trajs] == [t.input_ids for t in full_trajs] == [t.input_ids for t in plain_trajs]
+    assert full.prefix_cache.refused == 0 and bounded.prefix_cache.refused > 0
+    assert 0 < max(held[id(bounded.prefix_cache)]) <= budget
+    assert 0 < bounded.stats.reused_tokens < full.stats.reused_tokens
+    assert full.stats.prefilled_tokens < bounded.stats.prefilled_tokens < plain.stats.prefilled_tokens
+    assert mixed and not any(mixed)  # resuming and fresh rows never share a batch
 
 
 def test_window_prompts_keep_no_cache(tiny, monkeypatch):
