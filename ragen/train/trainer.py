@@ -282,10 +282,11 @@ class StarPOTrainer:
         self.model.train()
         zero_gradient = self.gradient_is_zero(targets.advantages)  # the same on every rank: advantages are global
         history: list[dict[str, float]] = []
+        lengths = samples.attention_mask.sum(1)  # (B,) tokens per row: micro-batches group similar lengths
         for _ in range(alg.ppo_epochs):
             order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
             for start in range(0, len(samples), mini):
-                index = group_contiguous(order[start : start + mini], samples.group_ids)
+                index = group_contiguous(order[start : start + mini], samples.group_ids, lengths)
                 history.append(self.optimizer_step(samples.select(index), targets.select(index), zero_gradient=zero_gradient))
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics["actor/backward_skipped"] = float(zero_gradient)
@@ -426,8 +427,11 @@ class StarPOTrainer:
             out[name] = torch.zeros_like(batch.response_mask)
         step = self.config.algorithm.micro_batch_size
         temperature = self.config.rollout.temperature
+        # groups adjacent, longest first: micro-batches of similar lengths (see group_contiguous)
+        order = group_contiguous(torch.arange(len(batch)), batch.group_ids, batch.attention_mask.sum(1))  # (B,)
         for start in range(0, len(batch), step):
-            micro = batch.select(slice(start, start + step)).trim().to(self.device)
+            rows = order[start : start + step]
+            micro = batch.select(rows).trim().to(self.device)
             T = micro.response_mask.shape[1]
             args = (micro.input_ids, micro.attention_mask, micro.response_mask)
             shared = self.prompt_lengths(micro)
@@ -436,11 +440,11 @@ class StarPOTrainer:
                     res = policy_forward(self.model, *args, temperature=temperature, prompt_lengths=shared,
                                          value_head=self.value_head if values else None)
                     for name in wanted:
-                        out[name][start : start + step, :T] = getattr(res, name)
+                        out[name][rows, :T] = getattr(res, name).to(out[name].device)
                 if ref:
                     with self.reference_policy() as ref_model:
-                        out["ref_logprobs"][start : start + step, :T] = policy_forward(
-                            ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs
+                        out["ref_logprobs"][rows, :T] = policy_forward(
+                            ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs.to(out["ref_logprobs"].device)
         return out
 
     def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -625,21 +629,27 @@ class UpdateTargets:
         return UpdateTargets(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
-def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """``index`` (a mini-batch's rows, shuffled) reordered so each group's rows are adjacent.
 
     Micro-batches are contiguous slices of the mini-batch, and the shared-prompt forward runs
     each distinct prompt once *per micro-batch*: a group split across micro-batches runs its
-    prompt once in each. Which rows form the mini-batch is unchanged, and the optimizer step
-    sums the micro-batches' gradients, so the order changes nothing but float summation order.
-    Groups keep the order of their first row in ``index`` (the shuffle still decides it).
+    prompt once in each. With ``lengths`` (each row's tokens, ``(B,)``) groups are ordered by
+    their longest row, so a micro-batch holds groups of similar length and is padded less (each
+    micro-batch is trimmed to its longest row). Which rows form the mini-batch is unchanged, and
+    the optimizer step sums the micro-batches' gradients, so the order changes nothing but float
+    summation order. Otherwise, and among groups of equal length, groups keep the order of their
+    first row in ``index`` (the shuffle still decides it).
     """
-    groups = group_ids[index]  # (M,)
-    first_seen = {}
-    for position, g in enumerate(groups.tolist()):
+    groups = group_ids[index].tolist()  # (M,)
+    first_seen: dict[int, int] = {}
+    longest: dict[int, int] = {}
+    row_lengths = lengths[index].tolist() if lengths is not None else [0] * len(groups)
+    for position, (g, n) in enumerate(zip(groups, row_lengths)):
         first_seen.setdefault(g, position)
-    rank = torch.tensor([first_seen[g] for g in groups.tolist()])
-    return index[torch.sort(rank, stable=True).indices]
+        longest[g] = max(longest.get(g, 0), n)
+    rank = sorted(range(len(groups)), key=lambda r: (-longest[groups[r]], first_seen[groups[r]]))
+    return index[torch.tensor(rank, dtype=torch.long)]
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:

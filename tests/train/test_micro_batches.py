@@ -40,3 +40,36 @@ def test_each_micro_batch_runs_whole_groups(tmp_path, monkeypatch):
     trainer.update(trajs)
     assert len(prompts_per_call) == 2
     assert all(len(p) == 1 for p in prompts_per_call), prompts_per_call  # one distinct prompt per micro-batch
+
+
+def test_group_contiguous_puts_groups_of_similar_length_together():
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    lengths = torch.tensor([10, 50, 30, 30, 50, 12, 5, 6])  # longest rows: group 0 50, 1 30, 2 50, 3 6
+    index = torch.tensor([6, 2, 0, 4, 7, 3, 1, 5])  # groups first appear in the order 3, 1, 0, 2
+    out = group_contiguous(index, group_ids, lengths)
+    # longest group first; groups 0 and 2 tie at 50 and keep their shuffled order (0 before 2)
+    assert out.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert group_contiguous(index, group_ids, torch.zeros(8, dtype=torch.long)).tolist() == \
+        group_contiguous(index, group_ids).tolist()  # equal lengths: the shuffled group order decides
+
+
+def test_scoring_in_length_order_writes_each_rows_logprobs_back_to_its_row(tmp_path):
+    from ragen.train.batch import collate
+    from ragen.train.logprobs import policy_forward
+
+    config = load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path}", "trainer.val_episodes=1",
+                                    "trainer.precision=fp32", "algorithm.micro_batch_size=3"])
+    trainer = StarPOTrainer(config)
+    trajs = shared_prompt_trajectories(trainer.tokenizer)  # group 1's prompt is the longer: it is scored first
+    batch = collate(trajs, trainer.tokenizer.pad_token_id)
+    order = group_contiguous(torch.arange(len(batch)), batch.group_ids, batch.attention_mask.sum(1))
+    assert order.tolist() == [3, 4, 5, 0, 1, 2]
+    scored = trainer.score(batch, policy=True, values=False, ref=False)["logprobs"]  # (B, T)
+    for row in range(len(batch)):
+        one = batch.select(slice(row, row + 1)).trim()
+        alone = policy_forward(trainer.model, one.input_ids, one.attention_mask, one.response_mask,
+                               temperature=config.rollout.temperature).logprobs
+        T = one.response_mask.shape[1]
+        mask = one.response_mask[0].bool()
+        assert torch.allclose(scored[row, :T][mask], alone[0][mask], atol=1e-5), row
+        assert not scored[row, T:].any()  # nothing written past the row's own targets
