@@ -130,9 +130,10 @@ class RolloutConfig:
     #: fp32 (under bf16 a split prefill rounds differently); costs memory for one cache per episode
     #: during a rollout, up to ``reuse_kv_max_gb``.
     reuse_kv: bool = True
-    #: Most GB of kept KV caches between turns (``reuse_kv``); an episode whose cache does not fit
-    #: prefills its history again at its next turn (same tokens, more work). Bounds ``ragen eval`` of
-    #: hundreds of long episodes in one rollout, which held ~19 GB without it.
+    #: Most GB of kept KV caches between turns (``reuse_kv``; ``inf``: no bound); an episode whose
+    #: cache does not fit prefills its history again at its next turn (more work; greedy decoding
+    #: gives the same tokens, a sampled run other draws of the same distribution). Bounds
+    #: ``ragen eval`` of hundreds of long episodes in one rollout, which held ~19 GB without it.
     reuse_kv_max_gb: float = 4.0
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ`` and a KV cache
     #: that grows in place (ragen/models/transposed_gemm.py, growing_cache.py). Same tokens up to float

@@ -9,6 +9,7 @@ first completed stop string, with the reason it stopped.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -82,8 +83,8 @@ class HFBackend:
     :meth:`session` with ``keep_kv`` (one ``Rollout.run``): a prompt that extends an earlier
     prompt and its reply prefills only the new tokens (:mod:`ragen.models.prefix_cache`), up to
     ``reuse_kv_max_bytes`` of kept caches (None: no bound); rows beyond it prefill as usual, in
-    batches of their own (a batch mixing them with resuming rows would run every row's new block
-    at the width of a whole history).
+    batches of their own once the budget has refused a row in the session (a batch mixing them
+    with resuming rows would run every row's new block at the width of a whole history).
 
     ``sampler="inverse_cdf"`` (default) draws sampled tokens with
     :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
@@ -136,7 +137,7 @@ class HFBackend:
         ``reuse_kv_max_gb``, ``fast_decode``)."""
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
-                   reuse_kv_max_bytes=int(r.reuse_kv_max_gb * 2**30),
+                   reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode)
 
     @contextlib.contextmanager
@@ -154,13 +155,15 @@ class HFBackend:
             # Every episode still playing is in this call, so an entry no prompt took belongs to an
             # episode that ended (or whose prompts do not extend each other): it is dead.
             self.prefix_cache.clear()
-        # Rows resuming a kept cache prefill a few new tokens, rows without one their whole prompt.
-        # In one batch every row would run the longest new block through the model (a whole history,
-        # when the budget refused some rows' caches), so the two kinds are batched apart.
-        resuming = [i for i, k in enumerate(kept) if k is not None]
-        fresh = [i for i, k in enumerate(kept) if k is None]
+        # Once the budget has refused rows' caches in this session, rows resuming a cache (a few new
+        # tokens) and rows without one (a whole history) are batched apart: in one batch every row
+        # would run the longest new block through the model. Until then rows keep their order, so
+        # the batches (and a sampled run's random draws) are those of reuse_kv=false.
+        split = keeping and self.prefix_cache.refused > 0
+        resuming = [i for i, k in enumerate(kept) if split and k is not None]
+        rest = [i for i, k in enumerate(kept) if not (split and k is not None)]
         out: list[Generation | None] = [None] * len(prompts)
-        for rows in (resuming, fresh):
+        for rows in (resuming, rest):
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start : start + self.batch_size]
                 batch_kept = [kept[i] for i in chunk]
@@ -314,7 +317,8 @@ class HFBackend:
         return input_ids, attention_mask, cache
 
     def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
-        """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn."""
+        """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn, as far
+        as the budget allows (rows that do not fit are counted in ``refused``)."""
         layers = getattr(cache, "layers", None)
         if not layers or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
             return  # sliding-window, quantized, ... caches are not re-laid out here; those rows prefill as usual

@@ -10,12 +10,13 @@ and prefills only the rest.
 Entries live for one :meth:`PrefixKVCache.session` (one ``Rollout.run``): the policy's
 weights do not change inside it, and nothing is kept when they do. An entry is removed when
 a prompt takes it, and the backend drops the entries no prompt of a call took (every episode
-still playing is in every call), so a session holds one entry per episode still playing.
+still playing is in every call), so a session holds at most one entry per episode still playing.
 
 A session's entries grow with every turn (each holds its episode's whole history), so they are
 bounded: ``max_bytes`` caps the bytes of keys and values kept between calls. An entry that does
 not fit is not kept, and its episode prefills its whole history at the next turn, as without the
-cache: the same tokens, more prefill work. (During a call the caches the call took are still held
+cache: the same computation, more prefill work (greedy decoding gives the same tokens; a sampled
+run draws its random numbers in another row order once rows are refused, see ``HFBackend``). (During a call the caches the call took are still held
 until their rows are generated, so the peak is the budget plus one turn's growth.) Without a
 bound, ``ragen eval`` of 512 twenty-turn FrozenLake episodes in one rollout held ~19 GB.
 """
@@ -54,7 +55,8 @@ class PrefixKVCache:
         #: Bytes of keys and values stored now, and the most stored at once since this cache was made.
         self.nbytes = 0
         self.peak_nbytes = 0
-        #: Entries not kept because the budget was full (their episodes prefill their history again).
+        #: Entries not kept because the budget was full, in the current (or last) session: their
+        #: episodes prefill their history again.
         self.refused = 0
         self.active = False
         #: Rows with the same tokens (a group's greedy twins) keep one entry each.
@@ -66,6 +68,7 @@ class PrefixKVCache:
     def session(self, enabled: bool = True):
         """Keep entries between ``generate`` calls inside this block only (and only if ``enabled``)."""
         self.clear()
+        self.refused = 0
         self.active = enabled
         try:
             yield self

@@ -282,11 +282,10 @@ class StarPOTrainer:
         self.model.train()
         zero_gradient = self.gradient_is_zero(targets.advantages)  # the same on every rank: advantages are global
         history: list[dict[str, float]] = []
-        lengths = samples.attention_mask.sum(1)  # (B,) tokens per row: micro-batches group similar lengths
         for _ in range(alg.ppo_epochs):
             order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
             for start in range(0, len(samples), mini):
-                index = group_contiguous(order[start : start + mini], samples.group_ids, lengths)
+                index = group_contiguous(order[start : start + mini], samples.group_ids)
                 history.append(self.optimizer_step(samples.select(index), targets.select(index), zero_gradient=zero_gradient))
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
         metrics["actor/backward_skipped"] = float(zero_gradient)
@@ -354,7 +353,11 @@ class StarPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = batch.response_mask.sum().clamp(min=1)  # global: every rank holds the whole mini-batch
         mine = shard(len(batch), *rank_world())
-        local, local_targets = batch.select(mine), targets.select(mine)
+        # this rank's rows (a random slice: the mini-batch is shuffled), whole groups longest-first
+        # within it, so its micro-batches hold rows of similar length (see group_contiguous)
+        local_rows = torch.arange(mine.start, mine.stop)
+        local_rows = group_contiguous(local_rows, batch.group_ids, batch.attention_mask.sum(1))
+        local, local_targets = batch.select(local_rows), targets.select(local_rows)
         sums: dict[str, float] = {}
         size = alg.micro_batch_size
         # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);

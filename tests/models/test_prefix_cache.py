@@ -227,3 +227,51 @@ def test_entries_no_prompt_took_are_dropped_at_the_next_call(tiny):
         assert len(backend.prefix_cache) == 2
         backend.generate([[20, 21, 22] + first[0].token_ids + [7]], params)  # the second episode has ended
         assert len(backend.prefix_cache) == 1  # only the continuing episode's new entry
+
+
+def second_turn_prompts(tiny, max_bytes, batch_size=2):
+    """Turn 1 plays rows A and B; turn 2 plays a fresh row C, then A and B continued. Returns the
+    backend, the turn-2 prompts, their outputs and the prompts of each turn-2 batch, in call order."""
+    model, tokenizer = tiny
+    backend = HFBackend(model, tokenizer, precision="fp32", batch_size=batch_size, reuse_kv_max_bytes=max_bytes)
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    torch.manual_seed(0)
+    a, b, c = [torch.randint(10, 1000, (n,)).tolist() for n in (20, 25, 30)]
+    batches = []
+    real = backend._generate_batch
+    with backend.prefix_cache.session():
+        first = backend.generate([a, b], params)
+        second_prompts = [c, a + first[0].token_ids + [5, 6], b + first[1].token_ids + [7]]
+        backend._generate_batch = lambda prompts, *rest: batches.append(prompts) or real(prompts, *rest)
+        second = backend.generate(second_prompts, params)
+    return backend, second_prompts, second, batches
+
+
+def test_rows_keep_their_order_and_batches_until_the_budget_refuses_a_cache(tiny):
+    backend, prompts, out, batches = second_turn_prompts(tiny, max_bytes=None)
+    assert backend.prefix_cache.refused == 0 and backend.stats.reused_tokens > 0
+    assert batches == [prompts[:2], prompts[2:]]  # the batches reuse_kv=false would make
+
+
+def test_after_a_refusal_resuming_rows_run_apart_and_outputs_come_back_in_row_order(tiny):
+    model, tokenizer = tiny
+    cfg = model.config
+    token_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    # room for row A's turn-1 cache (20 prompt tokens + 5 fed-back replies) but not for B's as well
+    backend, prompts, out, batches = second_turn_prompts(tiny, max_bytes=30 * token_bytes)
+    assert backend.prefix_cache.refused >= 1  # B at turn 1 (and turn 2's longer caches after it)
+    assert batches == [[prompts[1]], [prompts[0], prompts[2]]]  # A resumes alone; C and B prefill together
+    plain = HFBackend(model, tokenizer, precision="fp32", reuse_kv=False).generate(
+        prompts, SamplingParams(max_new_tokens=6, do_sample=False))
+    assert len({tuple(g.token_ids) for g in plain}) == 3  # distinct outputs: a wrong order would show
+    assert [g.token_ids for g in out] == [g.token_ids for g in plain]
+
+
+def test_an_infinite_budget_means_no_bound(tiny, tmp_path):
+    from ragen.config import load_config
+
+    model, tokenizer = tiny
+    config = load_config("sokoban", ["model=tiny", "rollout.reuse_kv_max_gb=inf"])
+    assert HFBackend.from_config(model, tokenizer, config).prefix_cache.max_bytes is None
+    config = load_config("sokoban", ["model=tiny", "rollout.reuse_kv_max_gb=0.5"])
+    assert HFBackend.from_config(model, tokenizer, config).prefix_cache.max_bytes == 2**29
