@@ -12,9 +12,10 @@ TRL is not a ragen dependency: run this from a separate venv holding ragen and t
 extra (``pip install -e '.[bench]'``), never from the project venv (TRL may move transformers).
 The extra pins TRL 1.16.0, the release issue 7 names. From 1.15 on, ``GRPOTrainer`` always
 computes log-probs with its own chunked LM-head function (on a CPU: torch ops over 32 768-column
-vocabulary tiles, every position scored, logits recomputed in the backward); with 1.16.0 its
-update took about twice as long here as with 1.13.0 (that function is the largest change on
-that path; the cause was not isolated further). ``pip install trl==1.13.0`` in the same venv
+vocabulary tiles, every position scored (it skips the prompt's positions only on Triton
+devices), logits recomputed in the backward), where 1.13.0 ran the LM head on the completion
+positions only (``logits_to_keep``); with 1.16.0 its update took about twice as long here as
+with 1.13.0 (that function is the largest change on that path; not isolated further). ``pip install trl==1.13.0`` in the same venv
 measures the older release with the same script (the report names the version it ran).
 
 One process, one model (SmolLM2-135M-Instruct, loaded twice from ragen's local cache by
