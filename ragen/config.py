@@ -135,6 +135,10 @@ class RolloutConfig:
     #: gives the same tokens, a sampled run other draws of the same distribution). Bounds
     #: ``ragen eval`` of hundreds of long episodes in one rollout, which held ~19 GB without it.
     reuse_kv_max_gb: float = 4.0
+    #: Play a rollout's episodes in waves of at most this many (0: all at once). Each wave keeps its
+    #: own KV caches and runs to its end, so memory is bounded without re-encoding histories; set
+    #: it for evals of hundreds of long episodes (``ragen eval``, ``trainer.val_episodes``).
+    max_episodes_in_flight: int = 0
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ`` and a KV cache
     #: that grows in place (ragen/models/transposed_gemm.py, growing_cache.py). Same tokens up to float
     #: rounding of the logits; false = transformers' plain path.
@@ -364,6 +368,7 @@ def validate(config: RunConfig) -> None:
              "(torch.distributed.fsdp.fully_shard with FSDPModule.set_force_sum_reduction_for_comms)")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
+    need(config.rollout.max_episodes_in_flight >= 0, "rollout.max_episodes_in_flight", "must be >= 0 (0 = all at once)")
     need(config.rollout.reuse_kv_max_gb > 0, "rollout.reuse_kv_max_gb",
          "must be > 0 (rollout.reuse_kv=false keeps no caches at all)")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")

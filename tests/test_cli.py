@@ -17,6 +17,7 @@ from ragen.config import ConfigError, load_config
         ("nonsense=1", "config key 'nonsense'"),
         ("rollout.group_size=0", "config key 'rollout.group_size': must be >= 1"),
         ("rollout.reuse_kv_max_gb=0", "config key 'rollout.reuse_kv_max_gb': must be > 0"),
+        ("rollout.max_episodes_in_flight=-1", "config key 'rollout.max_episodes_in_flight': must be >= 0"),
         ("trainer.precision=fp8", "config key 'trainer.precision'"),
         ("notakeyvalue", "is not key=value"),
     ],

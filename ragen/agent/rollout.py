@@ -102,10 +102,15 @@ class Rollout:
     """Plays episodes for a batch of envs with one backend and one chat template.
 
     ``settings`` is the default for every episode; :meth:`run` may give each env its own
-    (mixed env tags).
+    (mixed env tags). ``max_in_flight`` > 0 plays a run's episodes in waves of at most that many
+    (each wave to its end, with its own kept KV caches), which bounds the caches' memory without
+    re-encoding anything; 0 plays them all at once.
     """
 
-    def __init__(self, backend, tokenizer, settings: AgentSettings, sampling: SamplingParams):
+    def __init__(self, backend, tokenizer, settings: AgentSettings, sampling: SamplingParams, max_in_flight: int = 0):
+        if max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
         self.backend = backend
         self.chat = ChatTokens(tokenizer)
         self.tokenizer = tokenizer
@@ -136,7 +141,8 @@ class Rollout:
 
         ``env_name`` names every env (one string) or each one; ``settings[i]`` (default: the
         rollout's) and ``tags[i]`` (default: the env name) belong to ``envs[i]``. Episodes with
-        different horizons share each turn's batched ``generate`` call while they last.
+        different horizons share each turn's batched ``generate`` call while they last (within a
+        wave, see ``max_in_flight``).
         """
         n = len(envs)
         names = [env_name] * n if isinstance(env_name, str) else list(env_name)
@@ -148,6 +154,13 @@ class Rollout:
             self._start(env, seed, gid, name, self._protocol(s), tag)
             for env, seed, gid, name, s, tag in zip(envs, seeds, group_ids, names, per_env, tag_names)
         ]
+        wave = self.max_in_flight or max(n, 1)
+        for start in range(0, n, wave):
+            self._play(episodes[start : start + wave])
+        return [ep.traj for ep in episodes]
+
+    def _play(self, episodes: list[_Episode]) -> None:
+        """Turns for ``episodes`` until each has ended, one batched ``generate`` call per turn."""
         with self._session(episodes):
             while True:
                 active = [ep for ep in episodes if not ep.traj.done]
@@ -161,7 +174,6 @@ class Rollout:
                 for ep, gen in zip(active, generations):
                     last_turn = len(ep.traj.turns) + 1 >= ep.settings.max_turn
                     self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
-        return [ep.traj for ep in episodes]
 
     def _session(self, episodes: list[_Episode]):
         """The backend's session for this run (``HFBackend.session``: KV caches kept between turns

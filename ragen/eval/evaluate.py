@@ -117,8 +117,8 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
                                   top_k=r.top_k, do_sample=do_sample, stop=STOP)
         envs = [ragen.envs.make(target.env, **target.env_config) for _ in episode_seeds]
         group_ids = [index[s] for s in episode_seeds]  # one group per seed
-        return Rollout(backend, tokenizer, agent, sampling).run(envs, episode_seeds, group_ids, target.env,
-                                                                tags=[target.tag] * len(envs))
+        return Rollout(backend, tokenizer, agent, sampling, max_in_flight=r.max_episodes_in_flight).run(
+            envs, episode_seeds, group_ids, target.env, tags=[target.tag] * len(envs))
 
     greedy = play(False, seeds)
     result: dict[str, Any] = {"greedy": _summarise(greedy)}

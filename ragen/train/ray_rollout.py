@@ -108,7 +108,8 @@ class RolloutWorker:
         self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         backend = HFBackend.from_config(model, tokenizer, config)
-        self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+        self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams(),
+                               max_in_flight=config.rollout.max_episodes_in_flight)
         self.slots = build_slots(config, start, end)
         self.val_slots = Slots.build(val_sets(config), 1, val_start, val_end)  # one env per validation episode
 

@@ -122,12 +122,14 @@ class StarPOTrainer:
         self.train_rollout = Rollout(
             self.backend, self.tokenizer, agent,
             SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=stop),
+            max_in_flight=r.max_episodes_in_flight,
         )
         t = config.trainer
         self.val_rollout = Rollout(
             self.backend, self.tokenizer, agent,
             SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t.val_temperature, top_p=r.top_p, top_k=r.top_k,
                            do_sample=t.val_do_sample, stop=stop),
+            max_in_flight=r.max_episodes_in_flight,
         )
         # rollout.backend=ray: training episodes play on Ray actors (ragen/train/ray_rollout.py); validation stays here
         self.rollout_pool = None

@@ -275,3 +275,30 @@ def test_an_infinite_budget_means_no_bound(tiny, tmp_path):
     assert HFBackend.from_config(model, tokenizer, config).prefix_cache.max_bytes is None
     config = load_config("sokoban", ["model=tiny", "rollout.reuse_kv_max_gb=0.5"])
     assert HFBackend.from_config(model, tokenizer, config).prefix_cache.max_bytes == 2**29
+
+
+def test_waves_play_the_same_episodes_with_fewer_caches_in_flight(tiny):
+    """``max_in_flight``: episodes in waves, each with its own kept caches: same tokens, nothing re-encoded."""
+    model, tokenizer = tiny
+    sizes = []
+
+    def run(max_in_flight):
+        backend = HFBackend(model, tokenizer, precision="fp32")
+        real = backend.generate
+        backend.generate = lambda prompts, params: sizes.append(len(prompts)) or real(prompts, params)
+        sampling = SamplingParams(max_new_tokens=20, do_sample=False, stop=("</answer>",))
+        rollout = Rollout(backend, tokenizer, AgentSettings(max_turn=4, max_actions_per_turn=2), sampling,
+                          max_in_flight=max_in_flight)
+        seeds = [1, 1, 1, 2, 2, 3]
+        return rollout.run([make("sokoban") for _ in seeds], seeds, [0, 0, 0, 1, 1, 2], "sokoban"), backend
+
+    all_trajs, all_at_once = run(0)
+    assert max(sizes) == 6
+    sizes.clear()
+    wave_trajs, waves = run(4)
+    assert max(sizes) == 4 and 2 in sizes  # a wave of 4 episodes, then one of 2
+    assert [t.input_ids for t in wave_trajs] == [t.input_ids for t in all_trajs]
+    assert waves.stats.reused_tokens == all_at_once.stats.reused_tokens > 0  # every wave kept its caches
+    assert waves.prefix_cache.peak_nbytes < all_at_once.prefix_cache.peak_nbytes
+    with pytest.raises(ValueError, match="max_in_flight"):
+        Rollout(waves, tokenizer, AgentSettings(), SamplingParams(), max_in_flight=-1)
