@@ -32,7 +32,7 @@ decoded text in the same order, with their seeds; TRL's reward function replays 
 per-completion reward work (parse the answer, reset a bandit env with the seed, step it).
 
 Reported per framework: seconds per step (rollout / update split), generated tokens/s,
-trained tokens/s, and model-FLOPs utilisation against an fp32 matmul peak measured in the
+trained tokens/s, and model-FLOPs utilisation against the matmul peak of the run's precision (fp32 or bf16) measured in the
 same run, with 2·N FLOPs per generated token and 6·N per trained token (N = parameters).
 """
 
