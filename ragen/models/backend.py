@@ -328,9 +328,8 @@ class HFBackend:
                           + layer.values[0, :, 0].numel() * layer.values.element_size() for layer in layers)
         for row, (prompt, gen) in enumerate(zip(prompts, generations)):
             k = min(len(gen.token_ids), cached - width)  # the last sampled token was never fed back
-            if not self.prefix_cache.fits(token_bytes * (len(prompt) + k)):
-                self.prefix_cache.refused += 1  # over the budget: this episode prefills its history next turn
-                continue
+            if not self.prefix_cache.admits(token_bytes * (len(prompt) + k)):
+                continue  # over the budget (checked before copying): this episode prefills its history next turn
             columns = torch.cat([attention_mask[row].nonzero().squeeze(1),
                                  torch.arange(width, width + k, device=attention_mask.device)])
             self.prefix_cache.put(CachedPrefix(

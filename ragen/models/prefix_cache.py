@@ -16,9 +16,10 @@ A session's entries grow with every turn (each holds its episode's whole history
 bounded: ``max_bytes`` caps the bytes of keys and values kept between calls. An entry that does
 not fit is not kept, and its episode prefills its whole history at the next turn, as without the
 cache: the same computation, more prefill work (greedy decoding gives the same tokens; a sampled
-run draws its random numbers in another row order once rows are refused, see ``HFBackend``). (During a call the caches the call took are still held
-until their rows are generated, so the peak is the budget plus one turn's growth.) Without a
-bound, ``ragen eval`` of 512 twenty-turn FrozenLake episodes in one rollout held ~19 GB.
+run draws its random numbers in another row order once rows are refused, see ``HFBackend``).
+During a call the caches the call took are still held until their rows are generated, so the
+peak is the budget plus one turn's growth. Without a bound, ``ragen eval`` of 512 twenty-turn
+FrozenLake episodes in one rollout held ~19 GB.
 """
 
 from __future__ import annotations
@@ -88,13 +89,19 @@ class PrefixKVCache:
         """Whether an entry of ``nbytes`` would be kept now."""
         return self.max_bytes is None or self.nbytes + nbytes <= self.max_bytes
 
+    def admits(self, nbytes: int) -> bool:
+        """:meth:`fits`, counting a refusal in ``refused`` when it does not."""
+        if self.fits(nbytes):
+            return True
+        self.refused += 1
+        return False
+
     def put(self, entry: CachedPrefix) -> None:
         """Keep ``entry`` for a later :meth:`take` if a session is on and it fits the budget (else count it refused)."""
         if not self.active or not len(entry):
             return
         size = entry.nbytes
-        if not self.fits(size):
-            self.refused += 1
+        if not self.admits(size):
             return
         self.nbytes += size
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
