@@ -17,6 +17,8 @@ from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.checkpointing import is_checkpointing
 from ragen.models.lora import base_model
 from ragen.models.train_attention import train_attention_for
+from ragen.train.packed_groups import (block_mask, group_widths, pack_groups, packed_is_cheaper, packing_supported,
+                                       pair_cost_in_tokens)
 from ragen.train.target_logprobs import target_logprobs
 
 
@@ -39,18 +41,32 @@ def embeds_equal_ids(decoder) -> bool:
     return "per_layer_inputs" not in inspect.signature(decoder.forward).parameters
 
 
+#: How :func:`decoder_hidden` lays out rows that share a prompt (:mod:`ragen.train.packed_groups`).
+PROMPT_LAYOUTS = ("auto", "split", "packed")
+
+
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                   prompt_lengths: torch.Tensor | None = None, layout: str = "auto") -> torch.Tensor:
     """Last hidden states ``(B, L, H)`` of a right-padded batch.
 
     With ``prompt_lengths`` (``(B,)``, tokens before each row's first model-written token), rows
     that start with the same prompt -- every env of a group shares its seed, so its first prompt --
-    run that prompt once: the prompts go through the decoder as one left-padded batch, their KV
-    cache is copied to each row (``index_select``, differentiable), and only the rows' own
-    continuations are computed on top. The result equals the plain pass up to float rounding, at
-    a fraction of the cost when prompts are long and answers short. The index tensors are built
-    on the CPU and moved to ``input_ids``' device (the model's).
+    run that prompt once, in one of two layouts (:mod:`ragen.train.packed_groups`):
+
+    - ``"split"``: the prompts go through the decoder as one left-padded batch, their KV cache is
+      copied to each row (``index_select``, differentiable), and only the rows' own continuations
+      are computed on top, in a second pass;
+    - ``"packed"``: one pass over one row per group (its prompt, then its rows' continuations) under
+      a block mask, where the model's attention takes a dense mask and no sliding window applies;
+    - ``"auto"`` (default): ``"packed"`` where it is supported and costs less by
+      :func:`~ragen.train.packed_groups.packed_is_cheaper`, else ``"split"``.
+
+    Either equals the plain pass up to float rounding, at a fraction of the cost when prompts are
+    long and answers short. The index tensors are built on the CPU and moved to ``input_ids``'
+    device (the model's).
     """
+    if layout not in PROMPT_LAYOUTS:
+        raise ValueError(f"layout must be one of {PROMPT_LAYOUTS}, got {layout!r}")
     decoder = base_model(model).get_decoder()
     if prompt_lengths is not None and decoder.training and is_checkpointing(model):
         prompt_lengths = None  # a checkpointed layer cannot write the prompts' KV cache: full rows
@@ -64,8 +80,16 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_index: dict[tuple[int, ...], int] = {}
     row_prompt = [prompt_index.setdefault(tuple(input_ids[r, : plens[r]].tolist()), len(prompt_index)) for r in range(B)]
     prompts = list(prompt_index)
-    P = max(len(p) for p in prompts)
     pad = int(input_ids[0, -1]) if attention_mask[0, -1] == 0 else 0
+    if layout != "split":
+        width = max(group_widths(lengths, plens, row_prompt, len(prompts)))
+        supported = packing_supported(decoder, width)
+        if layout == "packed" and not supported:
+            raise ValueError("the packed layout needs a dense-mask attention (sdpa, eager) and no sliding window")
+        if layout == "packed" or (supported and packed_is_cheaper(lengths, plens, row_prompt, len(prompts),
+                                                                  pair_cost_in_tokens(decoder))):
+            return _packed_hidden(decoder, input_ids, attention_mask, lengths, plens, row_prompt, len(prompts), pad, device)
+    P = max(len(p) for p in prompts)
     prompt_ids = torch.full((len(prompts), P), pad, dtype=input_ids.dtype)  # (G, P) left-padded
     prompt_mask = torch.zeros((len(prompts), P), dtype=attention_mask.dtype)
     for g, p in enumerate(prompts):
@@ -110,6 +134,19 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return hidden
 
 
+def _packed_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int],
+                   plens: list[int], row_group: list[int], groups: int, pad: int, device) -> torch.Tensor:
+    """:func:`decoder_hidden`'s packed layout: one decoder pass over ``(G, T)``, gathered back to ``(B, L, H)``."""
+    packing = pack_groups(input_ids, lengths, plens, row_group, groups, pad)
+    mask = block_mask(packing.segments, decoder.config._attn_implementation).to(device)  # (G, 1, T, T)
+    packed = decoder(input_ids=packing.input_ids.to(device), attention_mask=mask,
+                     position_ids=packing.position_ids.to(device), use_cache=False).last_hidden_state  # (G, T, H)
+    G, T, H = packed.shape
+    rows = packed.reshape(G * T, H).index_select(0, packing.gather.view(-1).to(device))  # (B·L, H)
+    keep = attention_mask.to(device=device, dtype=rows.dtype).reshape(-1, 1)  # (B·L, 1): zero past each row's end
+    return (rows * keep).view(*packing.gather.shape, H)  # (B, L, H)
+
+
 def policy_forward(
     model,
     input_ids: torch.Tensor,
@@ -121,6 +158,7 @@ def policy_forward(
     entropy_grad: bool = True,
     value_head: torch.nn.Module | None = None,
     prompt_lengths: torch.Tensor | None = None,
+    prompt_layout: str = "auto",
     chunk_size: int = 1024,
 ) -> PolicyOutput:
     """One decoder pass → log-probs (and entropy, values) at response targets.
@@ -137,12 +175,13 @@ def policy_forward(
             which keeps autograd through the whole log-softmax for the entropy's gradient.
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
+        prompt_layout: how (:data:`PROMPT_LAYOUTS`, see :func:`decoder_hidden`); ``"auto"`` picks the cheaper.
     """
     base = base_model(model)
     # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
     # whose backward recomputes the layers after this block has switched the implementation back
     with train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))):
-        hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, L, H)
+        hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths, prompt_layout)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
     targets = input_ids[:, 1:][where]  # (N,)

@@ -152,8 +152,10 @@ def test_the_switch_is_scoped_restored_on_error_and_leaves_other_implementations
         model.config._attn_implementation = "sdpa"
 
 
-def test_policy_forward_gives_sdpas_logprobs_and_gradients(tiny, monkeypatch):
-    """The update's pass with the switch (its attention calls counted) against the same pass on sdpa."""
+@pytest.mark.parametrize("layout, passes", [("split", 2), ("packed", 1)])
+def test_policy_forward_gives_sdpas_logprobs_and_gradients(tiny, monkeypatch, layout, passes):
+    """The update's pass with the switch (its attention calls counted) against the same pass on sdpa, in both
+    shared-prompt layouts (ragen/train/packed_groups.py: the packed one's block mask reaches the switch too)."""
     model, _ = tiny
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, model.config.vocab_size, (4, 18), generator=g)
@@ -173,10 +175,10 @@ def test_policy_forward_gives_sdpas_logprobs_and_gradients(tiny, monkeypatch):
     for enabled in (True, False):
         monkeypatch.setattr(logprobs, "train_attention_for", lambda model, enabled=enabled, _on=enabled: real_switch(model, _on))
         model.zero_grad(set_to_none=True)
-        out = policy_forward(model, ids, mask, response, prompt_lengths=prompt_lengths)
+        out = policy_forward(model, ids, mask, response, prompt_lengths=prompt_lengths, prompt_layout=layout)
         (-(out.logprobs * response).sum()).backward()
         results.append((out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    assert len(calls) == 2 * model.config.num_hidden_layers  # padded prompt pass and continuation pass, every layer
+    assert len(calls) == passes * model.config.num_hidden_layers  # split: prompt pass and continuation pass, every layer
     (lp_a, grads_a), (lp_b, grads_b) = results
     torch.testing.assert_close(lp_a, lp_b, rtol=1e-5, atol=1e-5)
     for name, grad in grads_b.items():

@@ -146,7 +146,7 @@ def shared_prompt_batch(vocab: int):
 
 
 def test_the_shared_prompt_pass_looks_up_embeddings_once(tiny):
-    """Prompt pass and continuation pass share one embedding call (one dense (V, H) gradient, not two),
+    """The split layout's prompt pass and continuation pass share one embedding call (one dense (V, H) gradient, not two),
     with the plain pass's log-probs and gradients (the embedding's included), in fp32 and under autocast."""
     from ragen.train.logprobs import embeds_equal_ids
 
@@ -158,7 +158,7 @@ def test_the_shared_prompt_pass_looks_up_embeddings_once(tiny):
         handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(1))
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
+                out = policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7), prompt_layout="split")
         finally:
             handle.remove()
         assert len(calls) == 1
@@ -180,7 +180,7 @@ def test_prompts_without_continuations_need_no_second_pass(tiny):
     ids, mask, _ = shared_prompt_batch(model.config.vocab_size)
     mask[:] = 1
     with torch.no_grad():
-        shared = decoder_hidden(model, ids, mask, prompt_lengths=torch.full((3,), ids.shape[1]))
+        shared = decoder_hidden(model, ids, mask, prompt_lengths=torch.full((3,), ids.shape[1]), layout="split")
         plain = decoder_hidden(model, ids, mask)
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
 
@@ -194,7 +194,7 @@ def test_decoders_that_treat_ids_and_embeddings_differently_get_two_lookups(tiny
     calls = []
     handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(1))
     try:
-        policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7))
+        policy_forward(model, ids, mask, response, prompt_lengths=torch.full((3,), 7), prompt_layout="split")
     finally:
         handle.remove()
     assert len(calls) == 2
