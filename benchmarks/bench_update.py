@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_update.py                 # smollm2-135m, bench_vs_trl's shape, ~2 min
     .venv/bin/python benchmarks/bench_update.py --shape main    # the main job's shape (bandit preset as is)
     .venv/bin/python benchmarks/bench_update.py --model tiny --rounds 1
+    .venv/bin/python benchmarks/bench_update.py --shape main --compare layout   # shared-prompt layouts
 
 One real rollout gives the batch: at ``--shape trl`` (default) ``bench_vs_trl.py``'s shape (the
 ``bandit`` preset, 2 prompts x 8 completions, exactly 64 new tokens, one micro-batch,
@@ -19,6 +20,17 @@ two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up rou
 ``levers``
     As shipped: fused AdamW (:mod:`ragen.train.optimizer`), :mod:`ragen.train.target_logprobs`
     (entropy as a metric when ``entropy_coeff`` is 0) and :mod:`ragen.models.train_attention`.
+
+With ``--compare layout`` the two arms are instead the shared-prompt layouts of
+:func:`ragen.train.logprobs.decoder_hidden`, everything else as shipped:
+
+``split``
+    The distinct prompts as one batch, their KV cache copied to each row, the continuations as a
+    second pass (what the update did before the packed layout).
+``auto``
+    As shipped: the packed layout (one decoder row per group under a block mask,
+    :mod:`ragen.train.packed_groups`) where its cost rule picks it, else ``split``; the script
+    prints how many micro-batch passes took which.
 
 Each arm keeps its own optimizer (moments), so both take the same kind of step. Printed: the
 command, machine, per-round seconds and the median ratio of same-round pairs.
@@ -48,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shape", choices=("trl", "main"), default="trl", help="bench_vs_trl's batch or the main job's")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="trainer.precision")
+    ap.add_argument("--compare", choices=("levers", "layout"), default="levers",
+                    help="plain vs shipped update, or the split vs the automatic shared-prompt layout")
     args = ap.parse_args(argv)
 
     import torch
@@ -57,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from ragen.config import load_config
     from ragen.models import SamplingParams
     from ragen.train.logprobs import PolicyOutput
+    from ragen.train.optimizer import adamw
 
     torch.set_num_threads(args.threads)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
@@ -91,30 +106,55 @@ def main(argv: list[str] | None = None) -> int:
         return PolicyOutput(logprobs=out.logprobs + 0.0 * out.entropy, entropy=out.entropy, values=out.values)
 
     o = config.optim
-    optimizers = {
-        "plain": torch.optim.AdamW(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
-                                   weight_decay=o.weight_decay, foreach=False),
-        "levers": trainer.optimizer,
-    }
-    assert optimizers["levers"].param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
-    times: dict[str, list[float]] = {arm: [] for arm in optimizers}
+    layouts = {"packed": 0, "split": 0}
+    shipped_cheaper = logprobs_module.packed_is_cheaper
+
+    def counted_cheaper(*a):
+        packed = shipped_cheaper(*a)
+        layouts["packed" if packed else "split"] += 1
+        return packed
+
+    if args.compare == "levers":
+        # arm -> (optimizer, policy_forward, attention switch)
+        arms = {
+            "plain": (torch.optim.AdamW(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+                                        weight_decay=o.weight_decay, foreach=False), entropy_in_graph, sdpa_only),
+            "levers": (trainer.optimizer, shipped_forward, shipped_attention),
+        }
+        assert trainer.optimizer.param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
+    else:
+        split_forward = lambda *a, **kw: shipped_forward(*a, **kw, prompt_layout="split")  # noqa: E731
+        arms = {
+            "split": (adamw(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay),
+                      split_forward, shipped_attention),
+            "auto": (trainer.optimizer, shipped_forward, shipped_attention),
+        }
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
     contention = Contention()
+    logprobs_module.packed_is_cheaper = counted_cheaper
     try:
         for rnd in range(args.rounds + 1):
-            for arm in (list(optimizers) if rnd % 2 == 0 else list(optimizers)[::-1]):
-                trainer.optimizer = optimizers[arm]
-                trainer_module.policy_forward = entropy_in_graph if arm == "plain" else shipped_forward
-                logprobs_module.train_attention_for = sdpa_only if arm == "plain" else shipped_attention
+            for arm in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
+                trainer.optimizer, trainer_module.policy_forward, logprobs_module.train_attention_for = arms[arm]
+                layouts.update(packed=0, split=0)
                 start = time.perf_counter()
                 metrics = trainer.update(trajectories)
                 took = time.perf_counter() - start
                 assert metrics.get("actor/backward_skipped", 0.0) == 0.0
                 if rnd:
                     times[arm].append(took)
-                print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s", flush=True)
+                print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s; auto layout chose "
+                      f"packed {layouts['packed']}, split {layouts['split']} times", flush=True)
     finally:
         trainer_module.policy_forward = shipped_forward
         logprobs_module.train_attention_for = shipped_attention
+        logprobs_module.packed_is_cheaper = shipped_cheaper
+    if args.compare == "layout":
+        split, auto = statistics.median(times["split"]), statistics.median(times["auto"])
+        paired = statistics.median(a / b for a, b in zip(times["split"], times["auto"]))
+        print(f"update, median of {args.rounds} rounds: split {split:.2f} s, auto {auto:.2f} s: {split / auto:.2f}x "
+              f"(median of same-round ratios {paired:.2f}x); {contention.report()}")
+        return 0
     plain, levers = statistics.median(times["plain"]), statistics.median(times["levers"])
     paired = statistics.median(a / b for a, b in zip(times["plain"], times["levers"]))
     print(f"update, median of {args.rounds} rounds: plain {plain:.2f} s, levers {levers:.2f} s: {plain / levers:.2f}x "

@@ -18,7 +18,7 @@ no faster in a whole update, though 1.7x per layer alone; its ``(B, H, q, L)`` f
 memory each time). Hence :func:`train_attention` takes this path only with a 4-d mask, while
 ``B·H·q·L ≤`` :data:`MAX_SCORES`, on the CPU, without dropout, soft-capping, sinks or any argument it
 does not know, and hands every other call to transformers' ``sdpa`` unchanged. The bound also caps the
-probabilities kept for the backward at 2 MB per layer (flash keeps ``(B, H, q)``). Rows whose every
+probabilities kept for the backward at 4 MB per layer (flash keeps ``(B, H, q)``). Rows whose every
 key is masked (left padding) get the mean of the values where torch's sdpa returns zeros: finite
 either way, and such rows are padding, never read by a loss. :func:`train_attention_for`
 switches a model to it for a ``with`` block (:func:`ragen.train.logprobs.policy_forward` does so around
@@ -35,8 +35,11 @@ from ragen.models.attention_switch import attention_switch, harmless, register
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_grouped"
 
-#: Largest ``B · H · q · L`` (elements of one layer's probabilities) computed explicitly: 2 MB of fp32.
-MAX_SCORES = 2**19
+#: Largest ``B · H · q · L`` (elements of one layer's probabilities) computed explicitly: 4 MB of fp32. 2**20 since
+#: the packed shared-prompt layout (ragen/train/packed_groups.py), whose main-job calls (4 rows × 9 heads × ~135²)
+#: sit between 2**19 and 2**20: the main job's update 1.13x faster than at 2**19 (``/tmp/mb/ab_maxs.py``, 8
+#: alternated rounds, 2026-11-26); calls of 16 × 9 × 64 × 172 ≈ 1.6 M stay with sdpa (measured no faster here).
+MAX_SCORES = 2**20
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
