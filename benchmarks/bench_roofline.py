@@ -153,7 +153,13 @@ class Probe:
             ids = kwargs["inputs_embeds"]
         B, S = ids.shape[:2]
         mask = kwargs.get("attention_mask")
-        real = int(mask[:, -S:].sum()) if mask is not None and mask.dim() == 2 else B * S
+        real = B * S
+        if mask is not None and mask.dim() == 2:
+            real = int(mask[:, -S:].sum())
+        elif mask is not None and mask.dim() == 4 and mask.shape[-2:] == (S, S):
+            # a custom (packed-layout) mask: a real token attends to itself, a padding slot does not
+            diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # (B, S)
+            real = int((diagonal == 0).sum() if diagonal.dtype.is_floating_point else diagonal.sum())
         self._kind = "prefill" if S > 1 else "decode"
         self.c[f"{self._kind}_tokens"] += real
         self.c[f"{self._kind}_computed"] += B * S
