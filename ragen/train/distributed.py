@@ -153,6 +153,15 @@ def reduce_metrics(metrics: dict[str, float], op: str = "sum") -> dict[str, floa
     return dict(zip(names, values.tolist()))
 
 
+def all_ranks(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on every rank (a MIN all-reduce); ``flag`` in one process."""
+    if rank_world()[1] == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def broadcast_object(obj, src: int = 0):
     """``obj`` from rank ``src`` on every rank (pickled, through CPU). Identity in one process."""
     if rank_world()[1] == 1:

@@ -45,6 +45,49 @@ def embeds_equal_ids(decoder) -> bool:
 PROMPT_LAYOUTS = ("auto", "split", "packed")
 
 
+@dataclass
+class _RowGroups:
+    """A right-padded CPU batch's rows grouped by their shared prompt."""
+
+    lengths: list[int]  # (B,) tokens per row
+    plens: list[int]  # (B,) prompt tokens per row
+    row_prompt: list[int]  # (B,) index of the row's prompt in ``prompts``
+    prompts: list[tuple[int, ...]]  # the distinct prompts, in order of first appearance
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor) -> "_RowGroups":
+        lengths = attention_mask.sum(1).tolist()  # (B,)
+        plens = [max(1, int(p)) for p in prompt_lengths.tolist()]
+        for r, (n, p) in enumerate(zip(lengths, plens)):
+            if p > n:
+                raise ValueError(f"row {r}: a prompt of {p} tokens in a row of {n} (an empty row?)")
+        index: dict[tuple[int, ...], int] = {}
+        row_prompt = [index.setdefault(tuple(input_ids[r, :p].tolist()), len(index)) for r, p in enumerate(plens)]
+        return cls(lengths, plens, row_prompt, list(index))
+
+    def packable(self, decoder) -> bool:
+        return packing_supported(decoder, max(group_widths(self.lengths, self.plens, self.row_prompt, len(self.prompts))))
+
+    def packing_pays(self, decoder) -> bool:
+        return self.packable(decoder) and packed_is_cheaper(self.lengths, self.plens, self.row_prompt, len(self.prompts),
+                                                            pair_cost_in_tokens(decoder))
+
+
+def shared_prompt_layout(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         prompt_lengths: torch.Tensor | None) -> str:
+    """The layout :func:`decoder_hidden`'s ``"auto"`` takes for this batch: ``"packed"`` or ``"split"``.
+
+    For callers that must agree across processes before the pass (FSDP ranks: every decoder pass is a
+    collective, and the two layouts run different numbers of passes). ``"split"`` also when nothing is
+    shared (``prompt_lengths`` None) or the model is checkpointed: then the plain pass runs either way.
+    """
+    decoder = base_model(model).get_decoder()
+    if prompt_lengths is None or (decoder.training and is_checkpointing(model)):
+        return "split"
+    groups = _RowGroups.of(input_ids.cpu(), attention_mask.cpu(), prompt_lengths)
+    return "packed" if groups.packing_pays(decoder) else "split"
+
+
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_lengths: torch.Tensor | None = None, layout: str = "auto") -> torch.Tensor:
     """Last hidden states ``(B, L, H)`` of a right-padded batch.
@@ -75,20 +118,14 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     device = input_ids.device
     input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()  # read row by row below: one copy, not B syncs
     B, L = input_ids.shape
-    lengths = attention_mask.sum(1).tolist()  # (B,)
-    plens = [max(1, int(p)) for p in prompt_lengths.tolist()]
-    prompt_index: dict[tuple[int, ...], int] = {}
-    row_prompt = [prompt_index.setdefault(tuple(input_ids[r, : plens[r]].tolist()), len(prompt_index)) for r in range(B)]
-    prompts = list(prompt_index)
+    groups = _RowGroups.of(input_ids, attention_mask, prompt_lengths)
+    lengths, plens, row_prompt, prompts = groups.lengths, groups.plens, groups.row_prompt, groups.prompts
     pad = int(input_ids[0, -1]) if attention_mask[0, -1] == 0 else 0
-    if layout != "split":
-        width = max(group_widths(lengths, plens, row_prompt, len(prompts)))
-        supported = packing_supported(decoder, width)
-        if layout == "packed" and not supported:
-            raise ValueError("the packed layout needs a dense-mask attention (sdpa, eager) and no sliding window")
-        if layout == "packed" or (supported and packed_is_cheaper(lengths, plens, row_prompt, len(prompts),
-                                                                  pair_cost_in_tokens(decoder))):
-            return _packed_hidden(decoder, input_ids, attention_mask, lengths, plens, row_prompt, len(prompts), pad, device)
+    if layout == "packed" and not groups.packable(decoder):
+        raise ValueError("the packed layout needs a dense-mask attention (sdpa, eager or ragen's grouped one), every "
+                         "layer full attention and no sliding window a packed row could exceed")
+    if layout == "packed" or (layout == "auto" and groups.packing_pays(decoder)):
+        return _packed_hidden(decoder, input_ids, attention_mask, lengths, plens, row_prompt, len(prompts), pad, device)
     P = max(len(p) for p in prompts)
     prompt_ids = torch.full((len(prompts), P), pad, dtype=input_ids.dtype)  # (G, P) left-padded
     prompt_mask = torch.zeros((len(prompts), P), dtype=attention_mask.dtype)
@@ -138,7 +175,8 @@ def _packed_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
                    plens: list[int], row_group: list[int], groups: int, pad: int, device) -> torch.Tensor:
     """:func:`decoder_hidden`'s packed layout: one decoder pass over ``(G, T)``, gathered back to ``(B, L, H)``."""
     packing = pack_groups(input_ids, lengths, plens, row_group, groups, pad)
-    mask = block_mask(packing.segments, decoder.config._attn_implementation).to(device)  # (G, 1, T, T)
+    mask = block_mask(packing.segments, decoder.config._attn_implementation,
+                      decoder.get_input_embeddings().weight.dtype).to(device)  # (G, 1, T, T)
     packed = decoder(input_ids=packing.input_ids.to(device), attention_mask=mask,
                      position_ids=packing.position_ids.to(device), use_cache=False).last_hidden_state  # (G, T, H)
     G, T, H = packed.shape

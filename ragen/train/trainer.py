@@ -31,13 +31,13 @@ from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
 from ragen.train.batch import TrainBatch, collate, collate_turns
-from ragen.train.distributed import (all_reduce_grads, barrier, broadcast_object, init_distributed, micro_batch_count,
-                                     rank_world, reduce_metrics, shard)
+from ragen.train.distributed import (all_ranks, all_reduce_grads, barrier, broadcast_object, init_distributed,
+                                     micro_batch_count, rank_world, reduce_metrics, shard)
 from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
-from ragen.train.logprobs import ValueHead, policy_forward
+from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
 from ragen.train.optimizer import adamw
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 
@@ -372,6 +372,7 @@ class StarPOTrainer:
             micro = source.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
             T = micro.response_mask.shape[1]
             tgt = source_targets.select(rows, T).to(self.device)
+            shared = self.prompt_lengths(micro)
             with autocast(self.config.trainer.precision, self.device.type), torch.set_grad_enabled(not zero_gradient):
                 out = policy_forward(
                     self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
@@ -379,7 +380,7 @@ class StarPOTrainer:
                     entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
                     value_head=self.value_head,
                     # on a checkpointed model decoder_hidden runs full rows instead (ragen/train/logprobs.py)
-                    prompt_lengths=self.prompt_lengths(micro),
+                    prompt_lengths=shared, prompt_layout=self.agreed_layout(micro, shared),
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(
@@ -451,6 +452,15 @@ class StarPOTrainer:
                         out["ref_logprobs"][rows, :T] = policy_forward(
                             ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs.to(out["ref_logprobs"].device)
         return out
+
+    def agreed_layout(self, micro: TrainBatch, prompt_lengths: torch.Tensor | None) -> str:
+        """The shared-prompt layout of an update micro-batch: ``"auto"``, except under FSDP, where the ranks'
+        micro-batches differ and every decoder pass is a collective, so all ranks take the packed layout
+        (one pass) only if every rank's own choice is packed, else the split one (two passes)."""
+        if not self.fsdp:
+            return "auto"
+        mine = shared_prompt_layout(self.model, micro.input_ids, micro.attention_mask, prompt_lengths)
+        return "packed" if all_ranks(mine == "packed") else "split"
 
     def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
         """Tokens before each row's first model-written token, when shared prompts run once (else None)."""

@@ -217,3 +217,38 @@ def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
     for key in rows[1][3]:
         if not key.startswith("time/") and key not in unstable:
             assert rows[0][3][key] == pytest.approx(rows[1][3][key], rel=1e-4, abs=1e-5, nan_ok=True), key
+
+
+def _fsdp_layouts(rank, port, out_dir):
+    """Each rank's own layout choice forced (rank 0 would pack, rank 1 would split), then both packing."""
+    import ragen.train.logprobs as logprobs
+    import ragen.train.trainer as trainer_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    try:
+        trainer = make_trainer(out_dir / "run")
+        taken = []
+        shipped = trainer_module.policy_forward
+        trainer_module.policy_forward = lambda *a, **kw: taken.append(kw["prompt_layout"]) or shipped(*a, **kw)
+        batch, targets = synthetic_batch()
+        logprobs.packed_is_cheaper = lambda *a: rank == 0
+        trainer.optimizer_step(batch, targets)
+        disagreeing, taken[:] = list(taken), []
+        logprobs.packed_is_cheaper = lambda *a: True
+        trainer.optimizer_step(batch, targets)
+        torch.save({"disagreeing": disagreeing, "agreeing": list(taken)}, out_dir / f"layouts{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_ranks_agree_on_the_shared_prompt_layout(tmp_path):
+    """The packed layout runs one decoder pass where the split one runs two, and every pass of a sharded layer
+    is a collective: a rank whose micro-batch would pack must split when another rank's would not (else
+    the ranks' all-gathers pair up wrongly and hang). Both ranks pack only when both would."""
+    _run_ranks(_fsdp_layouts, tmp_path)
+    layouts = [torch.load(tmp_path / f"layouts{r}.pt") for r in range(WORLD)]
+    passes = micro_batch_count(len(synthetic_batch()[0]), 2, WORLD)
+    for r in range(WORLD):
+        assert layouts[r]["disagreeing"] == ["split"] * passes
+        assert layouts[r]["agreeing"] == ["packed"] * passes

@@ -146,7 +146,11 @@ def test_the_cost_rule_packs_short_answers_and_splits_long_continuations(tiny):
     c = decoder.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     assert pair_cost_in_tokens(decoder) == pytest.approx(4 * c.num_attention_heads * head_dim * 4.0 / (2 * layer))
-    assert PASS_OVERHEAD_TOKENS > 0
+    # without attention costs: 15 packed tokens against 5 + 2 x 5 + the second pass's overhead
+    assert packed_is_cheaper([10, 10], [5, 5], [0, 0], 1, 0.0)
+    # one group, 2 rows: packed T = 5 + 5 + 5 = 15 -> 15 + 225c; split 5 + 10 + (25 + 2 x 5 x 10)c + overhead
+    c = (PASS_OVERHEAD_TOKENS + (5 + 10) - 15) / (225 - 125) + 0.01  # just past the break-even pair cost
+    assert not packed_is_cheaper([10, 10], [5, 5], [0, 0], 1, c)
 
 
 def count_decoder_calls(model, fn):
@@ -193,6 +197,47 @@ def test_sliding_windows_and_other_attention_keep_the_split_layout(tiny, monkeyp
         assert count_decoder_calls(model, lambda: decoder_hidden(model, ids, mask, plens)) == 2
         with pytest.raises(ValueError, match="packed layout"):
             decoder_hidden(model, ids, mask, plens, layout="packed")
+
+
+def test_identical_prompts_in_two_groups_share_one_packed_row(tiny):
+    """Two groups (different seeds) can render the same prompt; rows are grouped by the prompt's tokens."""
+    model, _ = tiny
+    ids, mask, response, plens = grouped_batch(model.config.vocab_size, [[(6, 4), (6, 7)], [(6, 5)]])
+    ids[2, :6] = ids[0, :6]
+    plain = forward_and_grads(model, ids, mask, response, None, "auto")
+    packed = forward_and_grads(model, ids, mask, response, plens, "packed")
+    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-5)
+    calls = []
+    handle = model.get_decoder().register_forward_pre_hook(lambda module, args, kw: calls.append(kw["input_ids"].shape),
+                                                           with_kwargs=True)
+    try:
+        with torch.no_grad():
+            decoder_hidden(model, ids, mask, plens, layout="packed")
+    finally:
+        handle.remove()
+    assert calls == [torch.Size([1, 6 + 4 + 7 + 5])]
+
+
+def test_shared_prompt_layout_names_the_choice_of_auto(tiny, monkeypatch):
+    import ragen.train.logprobs as logprobs
+    from ragen.train.logprobs import shared_prompt_layout
+
+    model, _ = tiny
+    ids, mask, _, plens = grouped_batch(model.config.vocab_size, GROUPS)
+    assert shared_prompt_layout(model, ids, mask, None) == "split"
+    for cheaper, layout in ((True, "packed"), (False, "split")):
+        monkeypatch.setattr(logprobs, "packed_is_cheaper", lambda *a, cheaper=cheaper: cheaper)
+        assert shared_prompt_layout(model, ids, mask, plens) == layout
+
+
+def test_a_prompt_longer_than_its_row_is_a_clear_error(tiny):
+    model, _ = tiny
+    ids, mask, _, plens = grouped_batch(model.config.vocab_size, GROUPS)
+    mask[1] = 0  # an empty row: argmax of its empty response mask gives a 1-token prompt
+    plens[1] = 1
+    for layout in ("split", "packed"):
+        with pytest.raises(ValueError, match="row 1: a prompt of 1 tokens in a row of 0"):
+            decoder_hidden(model, ids, mask, plens, layout=layout)
 
 
 def test_unknown_layout_is_an_error(tiny):
