@@ -16,10 +16,12 @@ two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up rou
 ``plain``
     What the update did before the levers: torch's for-loop AdamW (``foreach=False``, the CPU
     default), log-probs and entropy through autograd's log-softmax with the entropy in the graph
-    (as ``loss - 0 * entropy`` had it), and transformers' ``sdpa`` attention for every call.
+    (as ``loss - 0 * entropy`` had it), transformers' ``sdpa`` attention for every call and the
+    split shared-prompt layout (prompt pass, then continuations on copied KV caches).
 ``levers``
     As shipped: fused AdamW (:mod:`ragen.train.optimizer`), :mod:`ragen.train.target_logprobs`
-    (entropy as a metric when ``entropy_coeff`` is 0) and :mod:`ragen.models.train_attention`.
+    (entropy as a metric when ``entropy_coeff`` is 0), :mod:`ragen.models.train_attention` and the
+    automatic shared-prompt layout (:mod:`ragen.train.packed_groups`).
 
 With ``--compare layout`` the two arms are instead the shared-prompt layouts of
 :func:`ragen.train.logprobs.decoder_hidden`, everything else as shipped:
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def entropy_in_graph(*a, **kw):  # the old cost: the entropy's graph hangs off the loss
         kw["entropy_grad"] = True
+        kw["prompt_layout"] = "split"  # and the shared prompts' two passes (before the packed layout)
         out = shipped_forward(*a, **kw)
         return PolicyOutput(logprobs=out.logprobs + 0.0 * out.entropy, entropy=out.entropy, values=out.values)
 
