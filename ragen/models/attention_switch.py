@@ -2,9 +2,9 @@
 
 :mod:`ragen.models.decode_attention` (generation) and :mod:`ragen.models.train_attention` (update and
 scoring passes) each register a transformers attention function under a name of their own that computes
-some calls itself and hands the rest to transformers' ``sdpa``. :func:`attention_switch` sets that name
-in the model's config for a ``with`` block -- transformers reads it at every call -- and restores
-``"sdpa"`` on exit, even on error.
+some calls itself and hands the rest to transformers' ``sdpa`` (both built by :func:`with_sdpa_fallback`).
+:func:`attention_switch` sets that name in the model's config for a ``with`` block -- transformers reads
+it at every call -- and restores ``"sdpa"`` on exit, even on error.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 from typing import Callable
 
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from ragen.models.device import model_device
@@ -26,6 +27,23 @@ HARMLESS_KWARGS = {"position_ids", "cache_position", "output_attentions", "use_c
 def harmless(kwargs: dict) -> bool:
     """True if every extra keyword argument is known not to change the result, or unset."""
     return all(k in HARMLESS_KWARGS or v is None or v is False for k, v in kwargs.items())
+
+
+def with_sdpa_fallback(fits: Callable, compute: Callable, doc: str = "") -> Callable:
+    """A transformers attention function: ``compute(query, key, value, attention_mask, scale)`` for the calls
+    ``fits(query, key, value, attention_mask, dropout, kwargs)`` accepts (it must compute what ``sdpa`` would
+    there), transformers' ``sdpa`` for every other call, unchanged."""
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs):
+        if not fits(query, key, value, attention_mask, dropout, kwargs):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          is_causal=is_causal, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return compute(query, key, value, attention_mask, scale), None
+
+    attention.__doc__ = doc or attention.__doc__
+    return attention
 
 
 def register(name: str, attention: Callable) -> None:

@@ -23,9 +23,7 @@ block -- :class:`~ragen.models.backend.HFBackend` does so around ``generate`` --
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-from ragen.models.attention_switch import attention_switch, harmless, register
+from ragen.models.attention_switch import attention_switch, harmless, register, with_sdpa_fallback
 
 #: The name under which transformers' attention and mask registries know this implementation.
 NAME = "ragen_decode"
@@ -57,14 +55,9 @@ def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention
     return harmless(kwargs)
 
 
-def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs):
-    """transformers attention function: :func:`one_query_attention` for unmasked one-token decode calls, ``sdpa`` otherwise."""
-    if not _fits(query, key, value, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return one_query_attention(query, key, value, scale), None
+decode_attention = with_sdpa_fallback(
+    _fits, lambda query, key, value, mask, scale: one_query_attention(query, key, value, scale),
+    "transformers attention function: :func:`one_query_attention` for unmasked one-token decode calls, ``sdpa`` otherwise.")
 
 
 register(NAME, decode_attention)

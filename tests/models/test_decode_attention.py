@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations import sdpa_attention
 
+import ragen.models.attention_switch as attention_switch
 import ragen.models.decode_attention as decode_attention
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -69,7 +70,7 @@ def call(q, k, v, mask, **kwargs):
 def test_other_calls_go_to_transformers_sdpa(case, monkeypatch):
     sdpa_calls = []
     real = sdpa_attention.sdpa_attention_forward
-    monkeypatch.setattr(decode_attention, "sdpa_attention_forward", lambda *a, **k: sdpa_calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(attention_switch, "sdpa_attention_forward", lambda *a, **k: sdpa_calls.append(1) or real(*a, **k))
     q, k, v = qkv()
     kwargs, mask = {}, None
     if case == "prefill":
@@ -91,7 +92,7 @@ def test_other_calls_go_to_transformers_sdpa(case, monkeypatch):
 
 
 def test_decode_calls_use_the_one_query_path(monkeypatch):
-    monkeypatch.setattr(decode_attention, "sdpa_attention_forward", lambda *a, **k: pytest.fail("sdpa called"))
+    monkeypatch.setattr(attention_switch, "sdpa_attention_forward", lambda *a, **k: pytest.fail("sdpa called"))
     q, k, v = qkv()
     with torch.no_grad():
         out, weights = call(q, k, v, None, position_ids=torch.zeros(5, 1, dtype=torch.long), sliding_window=None)

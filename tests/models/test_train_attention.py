@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations import sdpa_attention
 
+import ragen.models.attention_switch as attention_switch
 import ragen.models.train_attention as train_attention
 import ragen.train.logprobs as logprobs
 from ragen.models.train_attention import grouped_attention, train_attention_for
@@ -110,7 +111,7 @@ def call(q, k, v, mask, **kwargs):
 def test_other_calls_go_to_transformers_sdpa(case, monkeypatch):
     sdpa_calls, grouped_calls = [], []
     real_sdpa, real_grouped = sdpa_attention.sdpa_attention_forward, train_attention.grouped_attention
-    monkeypatch.setattr(train_attention, "sdpa_attention_forward", lambda *a, **k: sdpa_calls.append(1) or real_sdpa(*a, **k))
+    monkeypatch.setattr(attention_switch, "sdpa_attention_forward", lambda *a, **k: sdpa_calls.append(1) or real_sdpa(*a, **k))
     monkeypatch.setattr(train_attention, "grouped_attention", lambda *a, **k: grouped_calls.append(1) or real_grouped(*a, **k))
     q, k, v = qkv()
     mask, kwargs = padding_mask(3, 5, 9), {}
