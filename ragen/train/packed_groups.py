@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ragen.models.train_attention import NAME as GROUPED_ATTENTION
+
 #: Attention implementations whose masks are 4-d tensors that a custom mask may replace. transformers passes an
 #: already prepared 4-d mask through unchanged; flash and flex attention take no arbitrary dense mask.
-DENSE_MASK_ATTENTION = ("sdpa", "eager", "ragen_grouped")
+DENSE_MASK_ATTENTION = ("sdpa", "eager", GROUPED_ATTENTION)
 
 #: How many times slower than the decoder's GEMMs (per FLOP) a dense attention call runs on the CPU. Measured on
 #: a 2-core Zen 5 (bf16): GEMMs at update shapes ~600-750 GFLOP/s, masked attention 150-200 GFLOP/s.
