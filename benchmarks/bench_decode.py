@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections prefill   # the MAX_ROWS bound, ~1 min
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections attention # decode_attention off/on, ~3 min
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections fused     # fused decode step off/on, ~2 min
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -38,7 +39,13 @@ machine slows both alike. Sections (``--sections``):
     (:mod:`ragen.models.decode_attention`), at ``--precision`` (auto: bf16 where the CPU has it),
     once with prompts of equal length (no padding: transformers passes no mask) and once with
     lengths that differ (a padding mask); median decode seconds, the ratio, and how many rows
-    sampled the same tokens (bf16 rounding may change some).
+    sampled the same tokens (bf16 rounding may change some). Both arms keep transformers' modules
+    (``fused_decode=False``), as does the ``generate`` section.
+``fused``
+    ``HFBackend.generate`` with the fused decode step (:mod:`ragen.models.fused_decode`) off vs on,
+    every other lever on, at ``--precision``, prompts whose lengths differ between groups; median
+    decode seconds, the ratio, MFU of each arm against the same run's matmul peak of that precision,
+    and how many rows sampled the same tokens.
 
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
@@ -74,7 +81,10 @@ def alternate(arms: list[str], rounds: int):
             yield r, a
 
 
-def peak(torch) -> float:
+def peak(torch, precision: str = "fp32") -> float:
+    """Best 2048³ matmul of the precision (bf16: the ``A @ Bᵀ`` layout of every linear)."""
+    if precision == "bf16":
+        return matmul_gflops(torch, torch.bfloat16, 2048, "A@B^T", 3)
     return max(matmul_gflops(torch, torch.float32, 2048, "A@B", 3), matmul_gflops(torch, torch.float32, 2048, "A@B^T", 3))
 
 
@@ -200,9 +210,11 @@ def generate_section(torch, model, tokenizer, args) -> None:
     from ragen.models.backend import HFBackend, SamplingParams
 
     n_params = sum(p.numel() for p in model.parameters())
-    arms = {"levers off": dict(transposed_gemm=False, grow_cache=False), "levers on": dict(transposed_gemm=True, grow_cache=True)}
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8)
-    model.generation_config.min_new_tokens = args.new_tokens  # every row writes exactly new_tokens
+    # both arms decode through transformers' modules (the fused step has its own section)
+    arms = {"levers off": dict(transposed_gemm=False, grow_cache=False, fused_decode=False),
+            "levers on": dict(transposed_gemm=True, grow_cache=True, fused_decode=False)}
+    # every row writes exactly new_tokens
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, min_new_tokens=args.new_tokens)
     print(f"\n[generate] HFBackend.generate, groups of 4 rows per prompt, exactly {args.new_tokens} new tokens, "
           f"{args.rounds} alternated rounds (+1 warm-up), seed 0 per call")
     for B in args.batches:
@@ -232,7 +244,6 @@ def generate_section(torch, model, tokenizer, args) -> None:
         off, on = statistics.median(times["levers off"]), statistics.median(times["levers on"])
         print(f"  batch {B}: " + ", ".join(line) + f"; ratio {off / on:.2f}x; same tokens: {same}; "
               f"fp32 peak {fp32_peak:.1f} GFLOP/s (before {p0:.1f}, after {p1:.1f})", flush=True)
-    model.generation_config.min_new_tokens = None
 
 
 def attention_section(torch, model, tokenizer, args) -> None:
@@ -241,8 +252,7 @@ def attention_section(torch, model, tokenizer, args) -> None:
     from ragen.models.precision import resolve_precision
 
     precision = resolve_precision(args.precision)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8)
-    model.generation_config.min_new_tokens = args.new_tokens
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, min_new_tokens=args.new_tokens)
     print(f"\n[attention] HFBackend.generate with decode_attention off/on, {precision}, groups of 4 rows per prompt, "
           f"exactly {args.new_tokens} new tokens, {args.rounds} alternated rounds (+1 warm-up), seed 0 per call")
     for B in args.batches:
@@ -252,7 +262,7 @@ def attention_section(torch, model, tokenizer, args) -> None:
             prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
             times, tokens = {False: [], True: []}, {}
             for r, on in alternate([False, True], args.rounds + 1):
-                backend = HFBackend(model, tokenizer, precision=precision, decode_attention=on)
+                backend = HFBackend(model, tokenizer, precision=precision, decode_attention=on, fused_decode=False)
                 torch.manual_seed(0)
                 tokens[on] = [g.token_ids for g in backend.generate(prompts, params)]
                 if r > 0:
@@ -262,7 +272,41 @@ def attention_section(torch, model, tokenizer, args) -> None:
             lens = sorted(len(p) for p in prompts)
             print(f"  batch {B}, {layout}, prompts {lens[0]}-{lens[-1]} tokens: decode sdpa {off:.2f} s, "
                   f"decode_attention {on:.2f} s, ratio {off / on:.2f}x; rows with identical tokens {same}/{B}", flush=True)
-    model.generation_config.min_new_tokens = None
+
+
+def fused_section(torch, model, tokenizer, args) -> None:
+    """``HFBackend.generate`` with the fused decode step off/on (:mod:`ragen.models.fused_decode`), every other lever on."""
+    from ragen.models.backend import HFBackend, SamplingParams
+    from ragen.models.precision import resolve_precision
+
+    precision = resolve_precision(args.precision)
+    n_params = sum(p.numel() for p in model.parameters())
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, min_new_tokens=args.new_tokens)
+    print(f"\n[fused] HFBackend.generate with fused_decode off/on, {precision}, groups of 4 rows per prompt (lengths "
+          f"differ between groups: a padding mask), exactly {args.new_tokens} new tokens, {args.rounds} alternated rounds "
+          f"(+1 warm-up), seed 0 per call; MFU = 2·N·generated tokens / decode seconds / {precision} matmul peak")
+    for B in args.batches:
+        words = [14 + 3 * g % 11 for g in range(max(1, B // 4))]
+        texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
+        prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+        p0 = peak(torch, precision)
+        times, tokens, steps = {False: [], True: []}, {}, {}
+        for r, on in alternate([False, True], args.rounds + 1):
+            backend = HFBackend(model, tokenizer, precision=precision, fused_decode=on)
+            torch.manual_seed(0)
+            tokens[on] = [g.token_ids for g in backend.generate(prompts, params)]
+            steps[on] = backend.fused.fused_steps
+            if r > 0:
+                times[on].append(backend.stats.decode_s)
+        top = max(p0, peak(torch, precision))
+        generated = sum(len(t) for t in tokens[True])
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+        lens = sorted(len(p) for p in prompts)
+        mfu = lambda s: 2 * n_params * generated / s / (top * 1e9)  # noqa: E731
+        print(f"  batch {B}, prompts {lens[0]}-{lens[-1]} tokens: decode off {off:.2f} s (MFU {mfu(off):.1%}), "
+              f"on {on:.2f} s (MFU {mfu(on):.1%}, {steps[True]} fused steps), ratio {off / on:.2f}x; rows with identical "
+              f"tokens {same}/{B} (bf16 rounding may change some); {precision} peak {top:.1f} GFLOP/s", flush=True)
 
 
 # ---------------------------------------------------------------------------- main
@@ -271,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"],
-                    choices=["gemm", "steps", "prefill", "generate", "attention"])
+                    choices=["gemm", "steps", "prefill", "generate", "attention", "fused"])
     ap.add_argument("--precision", default="auto", help="attention section: trainer.precision (auto: bf16 where the CPU has it)")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
@@ -312,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             prefill_section(torch, model, tokenizer, args)
         elif name == "attention":
             attention_section(torch, model, tokenizer, args)
+        elif name == "fused":
+            fused_section(torch, model, tokenizer, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)

@@ -18,7 +18,8 @@ One process, in this order, so every ratio comes from the same run:
 4. **Generation** with the trainer's own ``HFBackend`` at each ``--batches`` size: ``B / group_size``
    distinct bandit prompts (the prompts the rollouts above rendered), each ``group_size`` times,
    as in the main job; exactly ``--new-tokens`` new tokens per row (EOS suppressed with
-   ``min_new_tokens``, no stop string), the main job's temperature / top-p / top-k.
+   ``SamplingParams.min_new_tokens``, no stop string), the main job's temperature / top-p / top-k.
+   Unhooked, as in ``ragen train``: the backend's own timers split prefill from decoding.
 5. Peaks again.
 
 MFU (issue 7's definition) = model FLOPs / seconds / peak, with 2·N FLOPs per generated
@@ -28,8 +29,10 @@ without native bf16) measured right before or after that section (the larger, i.
 conservative choice). For the update, "trained tokens" is reported two ways: the tokens
 the decoder really ran (shared-prompt KV reuse runs each distinct prompt once per
 micro-batch) and the nominal count (every row's whole sequence, what a plain
-implementation runs). Forward hooks on the decoder, the LM head and the optimizer time
-each part and count the tokens (real and padded) each pass computed.
+implementation runs). During the update, forward hooks on the decoder, the LM head and the
+optimizer time each part and count the tokens (real and padded) each pass computed; they are
+removed for rollouts and generation (a hooked model decodes through transformers' modules,
+not :mod:`ragen.models.fused_decode`).
 
 The roofline bound for decoding: each decode step reads every weight once
 (4 bytes each in fp32) plus the rows' KV caches, so a step takes at least
@@ -130,12 +133,23 @@ class Probe:
         base = base_model(trainer.model)
         self.decoder, self.head = base.get_decoder(), base.get_output_embeddings()
         self.reset()
-        self.decoder.register_forward_pre_hook(self._dec_pre, with_kwargs=True)
-        self.decoder.register_forward_hook(self._dec_post)
-        self.head.register_forward_pre_hook(self._t_pre)
-        self.head.register_forward_hook(self._head_post)
+        self.handles = []
         trainer.optimizer.register_step_pre_hook(lambda *a: self._t_pre())
         trainer.optimizer.register_step_post_hook(lambda *a: self._add("optimizer_s"))
+
+    def attach(self) -> None:
+        """Hook the decoder and the LM head (the update's passes)."""
+        self.handles = [self.decoder.register_forward_pre_hook(self._dec_pre, with_kwargs=True),
+                        self.decoder.register_forward_hook(self._dec_post),
+                        self.head.register_forward_pre_hook(self._t_pre),
+                        self.head.register_forward_hook(self._head_post)]
+
+    def detach(self) -> None:
+        """Remove the module hooks: generation runs unhooked, as in ``ragen train`` (a hooked model keeps
+        transformers' modules for its decode steps, ragen.models.fused_decode)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def reset(self) -> None:
         self.c = {k: 0.0 for k in ("prefill_tokens", "prefill_computed", "prefill_s", "decode_tokens", "decode_computed",
@@ -184,7 +198,9 @@ def run_update_section(trainer, probe, args) -> tuple[list[dict], list[list[int]
         trajectories = trainer.rollout(step)
         t1 = time.perf_counter()
         probe.reset()
+        probe.attach()
         trainer.update(trajectories)
+        probe.detach()
         t2 = time.perf_counter()
         usable = [t for t in trajectories if not t.error and t.response_length > 0]
         for t in trajectories:
@@ -212,25 +228,29 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
 
     r = trainer.config.rollout
     size = r.group_size
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=())
-    trainer.model.generation_config.min_new_tokens = args.new_tokens  # every row writes exactly new_tokens
+    # every row writes exactly new_tokens: EOS suppressed until then, no stop string
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=(),
+                            min_new_tokens=args.new_tokens)
+    backend = trainer.backend
     out = []
     for B in args.batches:
         distinct = max(1, B // size)
         batch = [prompts[i % len(prompts)] for i in range(distinct) for _ in range(size)][:B]
-        probe.reset()
+        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps)
         t0 = time.perf_counter()
-        gens = trainer.backend.generate(batch, params)
+        gens = backend.generate(batch, params)
         seconds = time.perf_counter() - t0
         lengths = [len(g.token_ids) for g in gens]
         res = {"batch": B, "distinct": distinct, "seconds": seconds, "generated": sum(lengths),
                "exact": all(n == args.new_tokens for n in lengths), "prompt_len": statistics.mean(len(p) for p in batch),
-               **probe.c}
+               # the shared-prompt prefill runs each distinct prompt once
+               "prefill_tokens": sum(len(p) for p in {tuple(p) for p in batch}),
+               "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
+               "fused_steps": backend.fused.fused_steps - stats0[2]}
         out.append(res)
         print(f"  batch {B}: {seconds:.2f} s, {res['generated']} tokens ({res['generated'] / seconds:.1f} tok/s), "
-              f"every row {args.new_tokens} tokens: {res['exact']}; decoder prefill {res['prefill_s']:.2f} s, "
-              f"decode {res['decode_s']:.2f} s, LM head {res['head_s']:.2f} s", flush=True)
-    trainer.model.generation_config.min_new_tokens = None
+              f"every row {args.new_tokens} tokens: {res['exact']}; prefill {res['prefill_s']:.2f} s, "
+              f"generate (decode steps) {res['decode_s']:.2f} s, fused decode steps {res['fused_steps']}", flush=True)
     return out
 
 
@@ -340,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngeneration with HFBackend, exactly {args.new_tokens} new tokens per row, groups of "
           f"{config.rollout.group_size} sharing a prompt ({gen_contention}):")
     print("| batch | distinct prompts | mean prompt len | s | generated tok/s | MFU, 2N x generated | MFU incl. prompt prefill "
-          "| decoder prefill s | decoder decode s | LM head s | other s (sampling, cache, Python) | roofline bound tok/s | % of bound |")
+          "| prefill s | generate s (decode steps, sampling) | other s | fused decode steps | roofline bound tok/s | % of bound |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdict_gen = []
     for g in gens:
@@ -351,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         step_bytes = 4 * (n_dec + n_head) + g["batch"] * ctx * kv_bytes
         step_s = max(step_bytes / (bandwidth * 1e9), 2 * n_params * g["batch"] / (peak_gen * 1e9))
         bound = g["batch"] / step_s
-        other = g["seconds"] - g["prefill_s"] - g["decode_s"] - g["head_s"]
+        other = g["seconds"] - g["prefill_s"] - g["decode_s"]
         print(f"| {g['batch']} | {g['distinct']} | {g['prompt_len']:.0f} | {g['seconds']:.2f} | {tok_s:.1f} | {mfu:.1%} | {mfu_prefill:.1%} | "
-              f"{g['prefill_s']:.2f} | {g['decode_s']:.2f} | {g['head_s']:.2f} | {other:.2f} | {bound:.0f} | {tok_s / bound:.1%} |")
+              f"{g['prefill_s']:.2f} | {g['decode_s']:.2f} | {other:.2f} | {g['fused_steps']} | {bound:.0f} | {tok_s / bound:.1%} |")
         if g["batch"] >= 32:
             verdict_gen.append((g["batch"], mfu))
 

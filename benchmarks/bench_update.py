@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         assert trainer.optimizer.param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
     else:
-        split_forward = lambda *a, **kw: shipped_forward(*a, **kw, prompt_layout="split")  # noqa: E731
+        # the trainer passes the layout its ranks agreed on: this arm overrides it
+        split_forward = lambda *a, **kw: shipped_forward(*a, **{**kw, "prompt_layout": "split"})  # noqa: E731
         arms = {
             "split": (adamw(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay),
                       split_forward, shipped_attention),

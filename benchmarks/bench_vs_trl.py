@@ -21,7 +21,8 @@ measures the older release with the same script (the report names the version it
 One process, one model (SmolLM2-135M-Instruct, loaded twice from ragen's local cache by
 ``ragen.models.load_model``: ragen trains one copy, TRL the other), same shape for both:
 2 bandit prompts per step, 8 completions each (16 per step), exactly 64 new tokens per
-completion (EOS suppressed by ``min_new_tokens``, ragen's ``</answer>`` stop string off),
+completion (EOS suppressed by ``min_new_tokens``: ragen's ``SamplingParams``, TRL's generation kwargs;
+ragen's ``</answer>`` stop string off),
 temperature 1.0, AdamW with the same lr / betas / weight decay / grad clip, constant LR,
 token-mean clipped PG (TRL: ``loss_type="dapo"``, eps 0.2/0.28), no KL, one optimizer step per
 batch of 16, no gradient checkpointing, fp32 (or ``--bf16``).
@@ -93,8 +94,7 @@ def run_ragen(args, out_dir: Path) -> dict:
     # Exactly new_tokens per completion: no stop string, EOS suppressed until the length is reached.
     r = config.rollout
     trainer.train_rollout.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                                    top_p=r.top_p, top_k=r.top_k, stop=())
-    trainer.model.generation_config.min_new_tokens = args.new_tokens
+                                                    top_p=r.top_p, top_k=r.top_k, stop=(), min_new_tokens=args.new_tokens)
     n_params = sum(p.numel() for p in trainer.model.parameters())
 
     steps, prompts = [], []

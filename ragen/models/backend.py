@@ -22,6 +22,7 @@ from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.device import model_device
+from ragen.models.fused_decode import FusedDecoder, fused_decode_for
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
@@ -41,6 +42,10 @@ class SamplingParams:
     do_sample: bool = True
     #: Generation ends once any of these strings is complete (e.g. ``"</answer>"``).
     stop: tuple[str, ...] = field(default_factory=tuple)
+    #: End-of-sequence tokens cannot be sampled before this many new tokens (vLLM's ``min_tokens``,
+    #: transformers' ``min_new_tokens``); stop strings still end a generation. Benchmarks use it for
+    #: exact lengths.
+    min_new_tokens: int = 0
 
 
 @dataclass
@@ -113,13 +118,16 @@ class HFBackend:
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
-                 grow_cache: bool = True, decode_attention: bool = True):
+                 grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.transposed_gemm = transposed_gemm
         self.grow_cache = grow_cache
         self.decode_attention = decode_attention
+        self.fused_decode = fused_decode
+        self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
+        self._in_session = False
         self.model = model
         self.tokenizer = tokenizer
         self.precision = precision
@@ -138,14 +146,20 @@ class HFBackend:
         r = config.rollout
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode)
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
+                   fused_decode=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
         """One rollout's generation calls: KV caches kept between turns (if ``keep_kv`` and ``reuse_kv``)."""
         kv = self.prefix_cache.session(enabled=keep_kv) if self.prefix_cache is not None else contextlib.nullcontext()
-        with kv:
-            yield self
+        self._in_session = True
+        try:
+            with kv:
+                yield self
+        finally:
+            self._in_session = False
+            self.fused.clear()  # the weights change before the next rollout
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -171,6 +185,8 @@ class HFBackend:
                     kept[i] = None  # the batch owns them now
                 for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, batch_kept, keeping)):
                     out[i] = generation
+        if not self._in_session:
+            self.fused.clear()
         return out
 
     def _generate_batch(
@@ -184,17 +200,24 @@ class HFBackend:
             return_dict_in_generate=True,
         )
         if params.do_sample and self.sampler == "inverse_cdf":
-            # generate's greedy step takes the token the processor drew (ragen/models/sampling.py)
-            sampler = InverseCDFSampler(params.temperature, params.top_k, params.top_p)
+            # generate's greedy step takes the token the processor drew (ragen/models/sampling.py); the
+            # processor also keeps EOS out until min_new_tokens (in place, no fresh (B, V) tensors)
+            sampler = InverseCDFSampler(params.temperature, params.top_k, params.top_p,
+                                        suppress=sorted(self.eos_ids), min_new_tokens=params.min_new_tokens)
             kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
-        elif params.do_sample:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        else:
+            if params.do_sample:
+                kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+            if params.min_new_tokens:
+                kwargs.update(min_new_tokens=params.min_new_tokens)
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast(self.precision, self.device.type), transposed_linears(self.model, self.transposed_gemm), \
+            # fused_decode_for checks the model's linears before transposed_linears swaps their forwards
+            with autocast(self.precision, self.device.type), fused_decode_for(self.model, self.fused, self.fused_decode), \
+                    transposed_linears(self.model, self.transposed_gemm), \
                     decode_attention_for(self.model, self.decode_attention), \
                     frozen_weights_cast_once(self.model, self.device.type):
                 start = time.perf_counter()

@@ -124,6 +124,8 @@ class OpenAIChatBackend:
         }
         if params.stop:
             body["stop"] = list(params.stop)[:4]  # the OpenAI API accepts at most 4
+        if params.min_new_tokens:
+            body["min_tokens"] = int(params.min_new_tokens)  # vLLM's server extension; OpenAI itself rejects it
         return body
 
     # -- one request -----------------------------------------------------------------------

@@ -16,8 +16,11 @@ block, ``r`` is uniform, so ``P(x) = mass(block)/F · w_x/mass(block) = w_x / F`
 :class:`InverseCDFSampler` applies transformers' own top-k / top-p warpers when asked (the order
 ``generate`` uses: temperature, top-k, top-p), draws the token, and returns scores that are 0
 at it and -inf elsewhere, so ``generate``'s greedy step (``do_sample=False``) takes exactly the
-sampled token; everything else ``generate`` does (EOS and ``min_new_tokens`` processors before
-this one, stop strings, padding finished rows) is unchanged. The distribution is the one
+sampled token; everything else ``generate`` does (its own processors before this one, stop strings,
+padding finished rows) is unchanged. Given ``suppress`` (the EOS ids) and ``min_new_tokens``, it also
+keeps those tokens out until that many tokens are written, as transformers' ``min_new_tokens``
+processor does, but in place (that processor's ``clone`` and ``where`` build fresh ``(B, V)`` tensors at
+every step: ~17 % of a ``generate`` call of 32 rows, ``docs/performance.md``). The distribution is the one
 ``do_sample=True`` samples from; only the random stream differs.
 
 Every decode step of a ``generate`` call reuses one ``(B, V)`` float32 buffer for the weights
@@ -70,10 +73,15 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> t
 class InverseCDFSampler(LogitsProcessor):
     """Samples one token per row from softmax(warped scores); returns 0 at it, -inf elsewhere."""
 
-    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None):
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 suppress: list[int] | tuple[int, ...] = (), min_new_tokens: int = 0):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = temperature
+        #: Token ids (EOS) that cannot be drawn until ``min_new_tokens`` tokens have been written.
+        self.suppress = list(suppress)
+        self.min_new_tokens = int(min_new_tokens)
+        self._prompt_width: int | None = None
         warpers = []
         if top_k or top_p < 1.0:  # these need the tempered scores; otherwise T is applied inside the exp below
             if temperature != 1.0:
@@ -92,6 +100,12 @@ class InverseCDFSampler(LogitsProcessor):
         return self._buffer
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._prompt_width is None:  # the first call of a generate: nothing written yet
+            self._prompt_width = input_ids.shape[1]
+        if self.suppress and input_ids.shape[1] - self._prompt_width < self.min_new_tokens:
+            # as transformers' MinNewTokensLengthLogitsProcessor (-inf before the warpers), but in place:
+            # ``scores`` is generate's own fresh fp32 copy of this step's logits
+            scores[:, self.suppress] = float("-inf")
         scores = self.warpers(input_ids, scores)  # (B, V)
         weights = self._weights_buffer(scores)  # (B, V) float32, reused every step
         torch.sub(scores, scores.amax(-1, keepdim=True), out=weights)  # z - max z ≤ 0 (-inf stays -inf)

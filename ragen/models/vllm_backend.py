@@ -113,6 +113,8 @@ def to_vllm_sampling_kwargs(params: SamplingParams, eos_ids: Iterable[int] = ())
                       top_k=int(params.top_k) if params.top_k > 0 else -1)
     else:
         kwargs.update(temperature=0.0, top_p=1.0, top_k=-1)
+    if params.min_new_tokens:
+        kwargs.update(min_tokens=int(params.min_new_tokens))
     return kwargs
 
 

@@ -1,0 +1,313 @@
+"""One-token decode steps of Llama-family models as a short loop of fused projections, for generation on the CPU.
+
+During decoding every row brings one token, so a step of a 30-layer model is ~1 500 small ATen calls
+from transformers' modules (per layer: seven projections, rotary embedding, the cache update, the
+attention call, two RMS norms, residual adds, autocast casts of the same input for each projection)
+plus their Python. On a 2-core CPU that overhead is as large as the GEMMs themselves. This module
+computes the same step with far fewer calls:
+
+- the query, key and value projections as one GEMM on a concatenated ``[W_q; W_k; W_v]`` and the MLP's
+  gate and up projections as one on ``[W_gate; W_up]`` (each output column is the same dot product
+  as in the separate projection);
+- each weight cast once to the autocast dtype (bf16) and kept for the whole rollout session instead of
+  looked up in autocast's cache at every call;
+- GEMMs of up to :data:`~ragen.models.transposed_gemm.MAX_ROWS` rows in the ``(W @ hᵀ)ᵀ`` layout,
+  which this CPU's BLAS runs faster for few rows (bf16 at 32 rows: 1.2-1.4× per projection);
+- the query and key heads rotated together, attention for one query per row as two fp32 matmuls per
+  KV head group (as :mod:`ragen.models.decode_attention`), with a key-padding mask when rows are
+  left-padded.
+
+The arithmetic is the model's own, in the same dtypes: an fp32 residual stream, RMS norms in fp32,
+projections in the autocast dtype (bf16 under ``generate``'s autocast, else the weights' dtype),
+rotary embedding from the model's own ``rotary_emb`` module, an fp32 softmax. Results equal
+transformers' path up to float rounding (the transposed GEMM layout may sum in another order),
+which the tests bound (``tests/test_fused_decode.py``). Measured in ``docs/performance.md``
+("Fused decode step").
+
+Only what is known to compute exactly this is taken (:func:`unsupported_reason`): models of the
+``llama``, ``mistral`` (without a sliding window) and ``qwen2`` (full attention) types, built from
+transformers' own layer classes with plain ``nn.Linear`` projections (no LoRA wrapper, no quantised or
+sharded weights, no hooks), SiLU MLPs, on the CPU, in eval mode, with autograd off, one new token
+per row on a non-empty full-attention cache and a 2-D padding mask. Every other call --
+prefill, a model under LoRA, a hooked model, training -- runs transformers' ``forward`` unchanged.
+:func:`fused_decode_for` switches a model for a ``with`` block and restores it on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
+
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ragen.models import decode_attention, train_attention
+from ragen.models.cache_names import CACHE_KWARG
+from ragen.models.transposed_gemm import MAX_ROWS
+
+#: ``config.model_type`` values whose decoder layer is the pre-norm Llama block computed here.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: transformers' class names of those models' layers (a subclass may compute something else).
+_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
+_NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+#: Attention implementations that compute plain softmax attention (what :func:`decode_step` computes).
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", decode_attention.NAME, train_attention.NAME)
+
+
+def _plain_linear(module) -> bool:
+    return (type(module) is torch.nn.Linear and "forward" not in vars(module)
+            and type(module.weight.data) is torch.Tensor and module.weight.device.type == "cpu")
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return any(bool(m._forward_hooks or m._forward_pre_hooks) for m in module.modules())
+
+
+def unsupported_reason(model) -> str | None:
+    """Why :func:`fused_decode_for` would leave ``model``'s decode steps to transformers, or None if it takes them."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if config is None or inner is None or not hasattr(model, "lm_head") or not hasattr(inner, "layers"):
+        return "not a decoder-only causal LM with .model.layers and .lm_head"
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {getattr(config, 'model_type', None)!r} not in {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "sub_configs", None):
+        return "composite config"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+        return "MLP is not a bias-free SiLU gate"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return "layers other than full attention"
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "sliding-window attention"
+    if getattr(config, "_attn_implementation", None) not in ATTENTION_IMPLEMENTATIONS:
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
+    layers = list(inner.layers)
+    if len(layers) != config.num_hidden_layers or not layers:
+        return "layer count differs from the config"
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(layer).__name__ not in _LAYER_CLASSES or attn is None or mlp is None:
+            return f"layer class {type(layer).__name__}"
+        if type(layer.input_layernorm).__name__ not in _NORM_CLASSES \
+                or type(layer.post_attention_layernorm).__name__ not in _NORM_CLASSES:
+            return "norms other than the Llama RMS norm"
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not all(_plain_linear(m) for m in linears):
+            return "projections other than plain nn.Linear on the CPU (LoRA, quantised, sharded, hooked)"
+        if any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "MLP biases"
+    if type(inner.norm).__name__ not in _NORM_CLASSES or not _plain_linear(model.lm_head) or model.lm_head.bias is not None:
+        return "final norm or LM head of another kind"
+    if type(inner.embed_tokens) is not torch.nn.Embedding:
+        return "embedding of another kind"
+    if _hooked(model):
+        return "forward hooks registered (they expect transformers' modules to run)"
+    return None
+
+
+@dataclass
+class _LayerWeights:
+    qkv: torch.Tensor  # (H·D + 2·H_kv·D, C): [W_q; W_k; W_v]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # (C, H·D)
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # (2·I, C): [W_gate; W_up]
+    down: torch.Tensor  # (C, I)
+    norm_in: torch.Tensor  # (C,) input_layernorm.weight, as stored
+    norm_post: torch.Tensor  # (C,)
+    eps_in: float
+    eps_post: float
+
+
+class FusedWeights:
+    """A model's decode weights, concatenated and cast to ``dtype`` once; :meth:`current` says if they still match."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.dtype = dtype
+        self.key = self._key(model)
+        inner = model.model
+        cast = lambda w: w.detach().to(dtype)  # noqa: E731 (a no-op view when the dtype already matches)
+        cat = lambda ws: torch.cat([w.detach() for w in ws]).to(dtype)  # noqa: E731
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+            self.layers.append(_LayerWeights(
+                qkv=cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+                qkv_bias=cat(biases) if all(b is not None for b in biases) else None,
+                o=cast(a.o_proj.weight), o_bias=cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
+                gate_up=cat((m.gate_proj.weight, m.up_proj.weight)), down=cast(m.down_proj.weight),
+                norm_in=layer.input_layernorm.weight.detach(), norm_post=layer.post_attention_layernorm.weight.detach(),
+                eps_in=layer.input_layernorm.variance_epsilon, eps_post=layer.post_attention_layernorm.variance_epsilon))
+            if any(b is not None for b in biases) and self.layers[-1].qkv_bias is None:
+                raise ValueError("q/k/v projections with biases on some but not all of them")
+        self.norm = inner.norm.weight.detach()
+        self.norm_eps = inner.norm.variance_epsilon
+        self.head = cast(model.lm_head.weight)  # (V, C)
+
+    @staticmethod
+    def _key(model) -> tuple:
+        # an optimizer step writes parameters in place, which bumps their version counters
+        return tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+
+    def current(self, model, dtype: torch.dtype) -> bool:
+        return dtype == self.dtype and self._key(model) == self.key
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for ``x`` of shape ``(B, in)``: for few rows as ``(W @ xᵀ)ᵀ``, left as that transposed view.
+
+    The view (strides ``(1, B)``) is never copied to row-major: the next GEMM reads its transpose, which is
+    contiguous, and element-wise ops take any strides.
+    """
+    if x.shape[0] > MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # (out, B)
+    return out.t()  # (B, out)
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMS norm, operation for operation: ``w · (x / sqrt(mean(x²) + eps))`` in fp32, cast back before ``w``."""
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(B, heads, D)`` with ``cos``/``sin`` ``(B | 1, 1, D)``.
+
+    ``rotate_half(x) = [-x₂, x₁]``, so the halves are ``x₁·cos₁ - x₂·sin₁`` and ``x₂·cos₂ + x₁·sin₂``: the same
+    products and sums as transformers' ``apply_rotary_pos_emb`` (``a + (-b)`` is ``a - b`` exactly), without the
+    concatenation.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos  # (B, heads, D)
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out
+
+
+def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None, cache) -> torch.Tensor:
+    """Logits ``(B, 1, V)`` for one new token per row, appending its keys and values to ``cache``.
+
+    ``input_ids`` ``(B, 1)``; ``attention_mask`` ``(B, L + 1)`` (1 = real, 0 = padding) or None; ``cache``
+    holds ``L`` columns per layer. Positions default to ``L`` for every row, as transformers' Llama.
+    """
+    inner, config = model.model, model.config
+    B = input_ids.shape[0]
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    g, q_width, kv_width = H // H_kv, H * D, H_kv * D
+    scaling = D ** -0.5
+    dtype = weights.dtype
+    past = cache.get_seq_length()
+    with torch.autocast("cpu", enabled=False):
+        h = inner.embed_tokens(input_ids)  # (B, 1, C), the residual stream's dtype
+        if position_ids is None:
+            position_ids = torch.full((1, 1), past, dtype=torch.long, device=input_ids.device)
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (B | 1, 1, D)
+        h = h[:, 0]  # (B, C)
+        padding = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            padding = (attention_mask == 0)[:, None, None, :]  # (B, 1, 1, L + 1): columns no query may read
+        for i, w in enumerate(weights.layers):
+            x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
+            qkv = _linear(x, w.qkv, w.qkv_bias)  # (B, H·D + 2·H_kv·D)
+            qk = qkv[:, : q_width + kv_width].to(cos.dtype, memory_format=torch.contiguous_format)
+            qk = _rotate(qk.view(B, H + H_kv, D), cos, sin)  # (B, H + H_kv, D) query and key heads, rotated together
+            key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
+            value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
+            keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)
+            query = qk[:, :H].reshape(B, H_kv, g, D).float()  # (B, H_kv, g, D): a KV head's query heads together
+            scores = torch.matmul(query, keys.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L + 1)
+            if padding is not None:
+                scores.masked_fill_(padding, float("-inf"))
+            attended = torch.matmul(torch.softmax(scores, dim=-1), values.float())  # (B, H_kv, g, D)
+            attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
+            h = h + _linear(attended, w.o, w.o_bias)
+            x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
+            gate_up = _linear(x, w.gate_up)  # (B, 2·I)
+            inter = gate_up.shape[-1] // 2
+            h = h + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w.down)  # (B, C)
+        x = _rms_norm(h, weights.norm, weights.norm_eps).to(dtype)
+        # row-major logits, as generate reads them (measured: (W @ xᵀ)ᵀ plus a copy or cast is no faster here)
+        return F.linear(x, weights.head).unsqueeze(1)  # (B, 1, V)
+
+
+def _cache_fits(cache, attention_mask) -> bool:
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, DynamicLayer) and layer.is_initialized for layer in layers):
+        return False
+    past = cache.get_seq_length()
+    return past > 0 and (attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[1] == past + 1))
+
+
+class FusedDecoder:
+    """Holds one model's :class:`FusedWeights` between calls; rebuilt when the parameters or the dtype change."""
+
+    def __init__(self):
+        self.weights: FusedWeights | None = None
+        #: Decode steps taken by :func:`decode_step` and handed to transformers since construction.
+        self.fused_steps = 0
+        self.plain_calls = 0
+
+    def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
+        if self.weights is None or not self.weights.current(model, dtype):
+            self.weights = None  # free the old copy before building the new one
+            self.weights = FusedWeights(model, dtype)
+        return self.weights
+
+    def clear(self) -> None:
+        self.weights = None
+
+
+@contextlib.contextmanager
+def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
+    """Within the block, ``model``'s one-token decode calls run :func:`decode_step`; yields whether it is switched.
+
+    The switch replaces the instance's ``forward`` (transformers' ``generate`` calls the module, which
+    calls ``forward``); calls it cannot take exactly go to the class's ``forward`` unchanged. Restored on
+    exit, also on error.
+    """
+    switch = enabled and unsupported_reason(model) is None
+    if not switch:
+        yield False
+        return
+    plain = model.forward
+    own = vars(model).get("forward")  # an instance forward set before this block, restored on exit
+    checked = False
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        cache = kwargs.get(CACHE_KWARG)
+        extra = {k: v for k, v in kwargs.items() if k not in (CACHE_KWARG, "return_dict", "cache_position")}
+        if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or inputs_embeds is not None
+                or labels is not None or use_cache is False or torch.is_grad_enabled() or model.training
+                or any(v not in (None, False) for v in extra.values()) or not _cache_fits(cache, attention_mask)
+                or (position_ids is not None and position_ids.shape[-1] != 1)):
+            decoder.plain_calls += 1
+            return plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                         logits_to_keep=logits_to_keep, **kwargs)
+        nonlocal checked
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else model.lm_head.weight.dtype
+        if not checked or decoder.weights is None or decoder.weights.dtype != dtype:
+            decoder.weights_for(model, dtype)  # parameters cannot change within the block: checked once
+            checked = True
+        logits = decode_step(model, decoder.weights, input_ids, attention_mask, position_ids, cache)
+        decoder.fused_steps += 1
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
+
+    model.forward = forward
+    try:
+        yield True
+    finally:
+        if own is not None:
+            model.forward = own
+        else:
+            del model.forward

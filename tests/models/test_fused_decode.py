@@ -1,0 +1,220 @@
+"""The fused decode step computes what transformers' forward computes, and is taken only where it may be."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+from ragen.models import load_model
+from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.cache_names import with_cache
+from ragen.models.fused_decode import FusedDecoder, fused_decode_for, unsupported_reason
+from ragen.models.growing_cache import make_growing
+
+SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def small_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    elif kind == "llama_bias":  # biases on q/k/v and o
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True))
+    elif kind == "qwen2":  # biases on q/k/v only
+        model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
+    else:
+        raise ValueError(kind)
+    for p in model.parameters():  # biases start at zero: give them values so they count
+        if p.dim() == 1 and not p.any():
+            p.data.normal_(0, 0.1)
+    return model.eval()
+
+
+def padded_batch(seed: int = 0, batch: int = 4, width: int = 13, pads=(0, 3, 0, 7)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 300, (batch, width), generator=g)
+    mask = torch.ones(batch, width, dtype=torch.long)
+    for row, pad in enumerate(pads[:batch]):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False):
+    """Logits of ``steps`` one-token calls after a prefill, through transformers and through the fused step."""
+    out = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache(cache))
+        if grow:
+            make_growing(cache, ids.shape[1] + steps + 2)
+        for arm in ("plain", "fused"):
+            c = copy.deepcopy(cache)
+            decoder = FusedDecoder()
+            logits, token, m = [], ids[:, -1:], mask
+            with fused_decode_for(model, decoder, enabled=arm == "fused") as switched:
+                assert switched == (arm == "fused")
+                for _ in range(steps):
+                    step = model(input_ids=token, attention_mask=m, use_cache=True, **with_cache(c)).logits  # (B, 1, V)
+                    logits.append(step.float())
+                    token = step[:, -1].argmax(-1, keepdim=True)
+                    m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+            out[arm] = (torch.cat(logits, 1), c, decoder)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_bias", "qwen2", "mistral"])
+@pytest.mark.parametrize("grow", [False, True])
+def test_fused_steps_equal_transformers_in_fp32(kind, grow):
+    model = small_model(kind)
+    assert unsupported_reason(model) is None
+    ids, mask = padded_batch()
+    out = decode_both(model, ids, mask, grow=grow)
+    (plain, plain_cache, _), (fused, fused_cache, decoder) = out["plain"], out["fused"]
+    assert decoder.fused_steps == 3 and decoder.plain_calls == 0
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_steps_without_padding_and_with_explicit_positions():
+    model = small_model("llama", seed=1)
+    ids, mask = padded_batch(pads=(0, 0, 0, 0))
+    out = decode_both(model, ids, mask)
+    torch.testing.assert_close(out["fused"][0], out["plain"][0], rtol=1e-5, atol=1e-5)
+    # position ids given per row (as ragen's resume prefill does): taken, not recomputed
+    cache = DynamicCache(config=model.config)
+    positions = torch.tensor([[12], [40], [7], [12]])
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache(cache))
+        c2 = copy.deepcopy(cache)
+        plain = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions, use_cache=True,
+                      **with_cache(cache)).logits
+        with fused_decode_for(model, FusedDecoder()):
+            fused = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions, use_cache=True,
+                          **with_cache(c2)).logits
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_steps_under_bf16_autocast_are_as_close_to_fp32_as_transformers_bf16():
+    model = small_model("llama", seed=2)
+    ids, mask = padded_batch(seed=2)
+    exact = decode_both(model, ids, mask, steps=1)["plain"][0]
+    out = decode_both(model, ids, mask, steps=1, bf16=True, grow=True)
+    plain_err = (out["plain"][0] - exact).abs()
+    fused_err = (out["fused"][0] - exact).abs()
+    assert out["fused"][2].fused_steps == 1
+    # both round the same quantities to bf16 (projections, logits); the fused GEMMs may sum in another order
+    assert fused_err.max() <= 2 * plain_err.max() + 1e-3 and fused_err.mean() <= 2 * plain_err.mean() + 1e-4, \
+        (fused_err.max(), plain_err.max())
+
+
+def test_weights_are_rebuilt_after_an_optimizer_step():
+    model = small_model("llama", seed=3)
+    decoder = FusedDecoder()
+    first = decoder.weights_for(model, torch.float32)
+    assert decoder.weights_for(model, torch.float32) is first  # unchanged parameters: kept
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)  # in place, as an optimizer writes
+    second = decoder.weights_for(model, torch.float32)
+    assert second is not first
+    inter = model.config.intermediate_size
+    torch.testing.assert_close(second.layers[0].gate_up[inter:], model.model.layers[0].mlp.up_proj.weight.detach())
+    assert decoder.weights_for(model, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_calls_it_cannot_take_go_to_transformers_and_the_model_is_restored():
+    model = small_model("llama", seed=4)
+    ids, mask = padded_batch()
+    decoder = FusedDecoder()
+    with fused_decode_for(model, decoder):
+        assert "forward" in vars(model)
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache(cache))  # prefill
+            model(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, output_hidden_states=True,
+                  **with_cache(copy.deepcopy(cache)))  # asks for something the fused step does not return
+        model(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **with_cache(copy.deepcopy(cache)))  # autograd on
+        with torch.no_grad():
+            model(input_ids=ids[:, -1:], attention_mask=mask[:, 1:], use_cache=True,
+                  **with_cache(copy.deepcopy(cache)))  # mask narrower than cache + 1
+    assert decoder.plain_calls == 4 and decoder.fused_steps == 0
+    assert "forward" not in vars(model)
+    with pytest.raises(RuntimeError, match="boom"), fused_decode_for(model, decoder):
+        raise RuntimeError("boom")
+    assert "forward" not in vars(model)
+
+
+def test_models_it_does_not_compute_are_left_alone():
+    hooked = small_model("llama")
+    handle = hooked.model.layers[1].register_forward_hook(lambda *a: None)
+    assert "hooks" in unsupported_reason(hooked)
+    with fused_decode_for(hooked, FusedDecoder()) as switched:
+        assert not switched and "forward" not in vars(hooked)
+    handle.remove()
+    assert unsupported_reason(hooked) is None
+
+    sliding = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8))
+    assert "sliding" in unsupported_reason(sliding)
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(small_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert unsupported_reason(lora) is not None
+    assert unsupported_reason(lora.get_base_model()) is not None  # its q/v projections are LoRA layers now
+
+
+def test_backend_takes_fused_steps_and_samples_what_the_plain_path_samples(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer("the box is on the target")["input_ids"], tokenizer("go left")["input_ids"]] * 2
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    fused = HFBackend(model, tokenizer, precision="fp32", fused_decode=True)
+    plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
+    a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert fused.fused.fused_steps > 0 and plain.fused.fused_steps == 0
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert fused.fused.weights is None  # outside a session the copy is freed after the call
+    with fused.session():
+        fused.generate(prompts, params)
+        kept = fused.fused.weights
+        assert kept is not None
+        fused.generate(prompts, params)
+        assert fused.fused.weights is kept  # the same rollout: built once
+    assert fused.fused.weights is None
+
+
+def test_min_new_tokens_keeps_eos_out_until_then(tiny):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    prompts = [tokenizer("hello")["input_ids"]] * 3
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    # make EOS overwhelmingly likely: without the floor every row would end at its first token
+    with torch.no_grad():
+        bias = torch.zeros(model.config.vocab_size)
+        bias[eos] = 50.0
+        handle = model.lm_head.register_forward_hook(lambda m, a, out: out + bias)
+    try:
+        free = backend.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0))
+        floored = backend.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, min_new_tokens=4))
+        greedy = backend.generate(prompts, SamplingParams(max_new_tokens=8, do_sample=False, min_new_tokens=3))
+    finally:
+        handle.remove()
+    assert all(g.token_ids == [eos] and g.finish_reason == "eos" for g in free)
+    for g in floored:
+        assert eos not in g.token_ids[:4] and g.token_ids[4] == eos and g.finish_reason == "eos"
+    for g in greedy:  # transformers' own min_new_tokens processor on the greedy path
+        assert eos not in g.token_ids[:3] and g.token_ids[3] == eos
+
+
+@pytest.mark.slow
+def test_embedded_model_fused_logits_match_transformers():
+    model, _ = load_model("smollm2-135m")
+    model.eval()
+    ids, mask = padded_batch(width=20, pads=(0, 5, 0, 2))
+    out = decode_both(model, ids.clamp(max=model.config.vocab_size - 1), mask, steps=2, grow=True)
+    torch.testing.assert_close(out["fused"][0], out["plain"][0], rtol=1e-4, atol=2e-4)
