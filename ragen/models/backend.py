@@ -42,9 +42,9 @@ class SamplingParams:
     do_sample: bool = True
     #: Generation ends once any of these strings is complete (e.g. ``"</answer>"``).
     stop: tuple[str, ...] = field(default_factory=tuple)
-    #: End-of-sequence tokens cannot be sampled before this many new tokens (vLLM's ``min_tokens``,
-    #: transformers' ``min_new_tokens``); stop strings still end a generation. Benchmarks use it for
-    #: exact lengths.
+    #: End-of-sequence tokens cannot be sampled before this many new tokens (transformers'
+    #: ``min_new_tokens``; on the vLLM engine ``min_tokens``, which holds back stop strings too). On the
+    #: HF engine stop strings still end a generation. Benchmarks use it for exact lengths.
     min_new_tokens: int = 0
 
 
@@ -177,16 +177,19 @@ class HFBackend:
         resuming = [i for i, k in enumerate(kept) if split and k is not None]
         rest = [i for i, k in enumerate(kept) if not (split and k is not None)]
         out: list[Generation | None] = [None] * len(prompts)
-        for rows in (resuming, rest):
-            for start in range(0, len(rows), self.batch_size):
-                chunk = rows[start : start + self.batch_size]
-                batch_kept = [kept[i] for i in chunk]
-                for i in chunk:
-                    kept[i] = None  # the batch owns them now
-                for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, batch_kept, keeping)):
-                    out[i] = generation
-        if not self._in_session:
-            self.fused.clear()
+        try:
+            for rows in (resuming, rest):
+                for start in range(0, len(rows), self.batch_size):
+                    chunk = rows[start : start + self.batch_size]
+                    batch_kept = [kept[i] for i in chunk]
+                    for i in chunk:
+                        kept[i] = None  # the batch owns them now
+                    for i, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, batch_kept,
+                                                                         keeping)):
+                        out[i] = generation
+        finally:
+            if not self._in_session:
+                self.fused.clear()  # the parameters may change before the next call
         return out
 
     def _generate_batch(

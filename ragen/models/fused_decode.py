@@ -17,12 +17,16 @@ computes the same step with far fewer calls:
   KV head group (as :mod:`ragen.models.decode_attention`), with a key-padding mask when rows are
   left-padded.
 
-The arithmetic is the model's own, in the same dtypes: an fp32 residual stream, RMS norms in fp32,
-projections in the autocast dtype (bf16 under ``generate``'s autocast, else the weights' dtype),
-rotary embedding from the model's own ``rotary_emb`` module, an fp32 softmax. Results equal
-transformers' path up to float rounding (the transposed GEMM layout may sum in another order),
-which the tests bound (``tests/test_fused_decode.py``). Measured in ``docs/performance.md``
-("Fused decode step").
+The arithmetic is the model's own, in the same dtypes as transformers' path under ``generate``'s
+autocast: an fp32 residual stream, RMS norms in fp32, projections in the autocast dtype (bf16; else
+the weights' dtype), rotary embedding from the model's own ``rotary_emb`` module (keys fp32, values
+in the projection's dtype, as transformers caches them). Attention is fp32 matmuls and an fp32 softmax,
+as :mod:`ragen.models.decode_attention` computes unmasked calls; for masked calls (left padding)
+transformers' ``sdpa`` runs in bf16 under autocast, so there the fused step is the more precise of
+the two. Results equal transformers' up to float rounding (the transposed GEMM layout may sum in
+another order), which the tests bound (``tests/models/test_fused_decode.py``: fp32 within 1e-5;
+bf16 no further from an fp32 reference than transformers' bf16 path). Measured in
+``docs/performance.md`` ("Fused decode step").
 
 Only what is known to compute exactly this is taken (:func:`unsupported_reason`): models of the
 ``llama``, ``mistral`` (without a sliding window) and ``qwen2`` (full attention) types, built from
@@ -41,18 +45,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
-
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ragen.models import decode_attention, train_attention
 from ragen.models.cache_names import CACHE_KWARG
+from ragen.models.growing_cache import GrowingLayer
 from ragen.models.transposed_gemm import MAX_ROWS
 
-#: ``config.model_type`` values whose decoder layer is the pre-norm Llama block computed here.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-#: transformers' class names of those models' layers (a subclass may compute something else).
-_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
-_NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+#: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
+#: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
+#: something else.
+SUPPORTED = {
+    "llama": (llama.LlamaForCausalLM, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm),
+    "mistral": (mistral.MistralForCausalLM, mistral.MistralDecoderLayer, mistral.MistralAttention, mistral.MistralMLP,
+                mistral.MistralRMSNorm),
+    "qwen2": (qwen2.Qwen2ForCausalLM, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm),
+}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)
 #: Attention implementations that compute plain softmax attention (what :func:`decode_step` computes).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", decode_attention.NAME, train_attention.NAME)
 
@@ -64,6 +76,11 @@ def _plain_linear(module) -> bool:
 
 def _hooked(module: torch.nn.Module) -> bool:
     return any(bool(m._forward_hooks or m._forward_pre_hooks) for m in module.modules())
+
+
+def _own_forward(module, cls) -> bool:
+    """``module`` is exactly ``cls`` and runs the class's ``forward`` (no instance patch)."""
+    return type(module) is cls and "forward" not in vars(module)
 
 
 def unsupported_reason(model) -> str | None:
@@ -84,22 +101,26 @@ def unsupported_reason(model) -> str | None:
         return "sliding-window attention"
     if getattr(config, "_attn_implementation", None) not in ATTENTION_IMPLEMENTATIONS:
         return f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
+    model_cls, layer_cls, attn_cls, mlp_cls, norm_cls = SUPPORTED[config.model_type]
+    if not _own_forward(model, model_cls):
+        return f"not transformers' {model_cls.__name__} (a subclass, or a patched forward)"
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers or not layers:
         return "layer count differs from the config"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(layer).__name__ not in _LAYER_CLASSES or attn is None or mlp is None:
-            return f"layer class {type(layer).__name__}"
-        if type(layer.input_layernorm).__name__ not in _NORM_CLASSES \
-                or type(layer.post_attention_layernorm).__name__ not in _NORM_CLASSES:
+        if not (_own_forward(layer, layer_cls) and _own_forward(attn, attn_cls) and _own_forward(mlp, mlp_cls)):
+            return f"layer, attention or MLP of another class than {config.model_type}'s (or a patched forward)"
+        if not (_own_forward(layer.input_layernorm, norm_cls) and _own_forward(layer.post_attention_layernorm, norm_cls)):
             return "norms other than the Llama RMS norm"
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if not all(_plain_linear(m) for m in linears):
             return "projections other than plain nn.Linear on the CPU (LoRA, quantised, sharded, hooked)"
         if any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             return "MLP biases"
-    if type(inner.norm).__name__ not in _NORM_CLASSES or not _plain_linear(model.lm_head) or model.lm_head.bias is not None:
+        if len({m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1:
+            return "biases on some of the q/k/v projections but not all"
+    if not _own_forward(inner.norm, norm_cls) or not _plain_linear(model.lm_head) or model.lm_head.bias is not None:
         return "final norm or LM head of another kind"
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return "embedding of another kind"
@@ -123,7 +144,13 @@ class _LayerWeights:
 
 
 class FusedWeights:
-    """A model's decode weights, concatenated and cast to ``dtype`` once; :meth:`current` says if they still match."""
+    """A model's decode weights, concatenated and cast to ``dtype`` once: a copy, valid while the parameters do not change.
+
+    Nothing here can notice an optimizer step: torch's fused AdamW (ragen's default) writes parameters
+    without bumping their version counters. The owner scopes the copy instead: :class:`FusedDecoder` is
+    cleared by ``HFBackend`` when a rollout session ends and after a call outside a session.
+    :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
+    """
 
     def __init__(self, model, dtype: torch.dtype):
         self.dtype = dtype
@@ -142,16 +169,13 @@ class FusedWeights:
                 gate_up=cat((m.gate_proj.weight, m.up_proj.weight)), down=cast(m.down_proj.weight),
                 norm_in=layer.input_layernorm.weight.detach(), norm_post=layer.post_attention_layernorm.weight.detach(),
                 eps_in=layer.input_layernorm.variance_epsilon, eps_post=layer.post_attention_layernorm.variance_epsilon))
-            if any(b is not None for b in biases) and self.layers[-1].qkv_bias is None:
-                raise ValueError("q/k/v projections with biases on some but not all of them")
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
         self.head = cast(model.lm_head.weight)  # (V, C)
 
     @staticmethod
     def _key(model) -> tuple:
-        # an optimizer step writes parameters in place, which bumps their version counters
-        return tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+        return tuple((p.data_ptr(), p.dtype, p.shape) for p in model.parameters())
 
     def current(self, model, dtype: torch.dtype) -> bool:
         return dtype == self.dtype and self._key(model) == self.key
@@ -241,14 +265,15 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
 
 def _cache_fits(cache, attention_mask) -> bool:
     layers = getattr(cache, "layers", None)
-    if not layers or not all(isinstance(layer, DynamicLayer) and layer.is_initialized for layer in layers):
+    # exact types: sliding-window, quantised, ... layers (DynamicLayer subclasses) keep other columns
+    if not layers or not all(type(layer) in (DynamicLayer, GrowingLayer) and layer.is_initialized for layer in layers):
         return False
     past = cache.get_seq_length()
     return past > 0 and (attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[1] == past + 1))
 
 
 class FusedDecoder:
-    """Holds one model's :class:`FusedWeights` between calls; rebuilt when the parameters or the dtype change."""
+    """Holds one model's :class:`FusedWeights` between calls of one rollout session; :meth:`clear` drops them."""
 
     def __init__(self):
         self.weights: FusedWeights | None = None

@@ -100,8 +100,8 @@ class InverseCDFSampler(LogitsProcessor):
         return self._buffer
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._prompt_width is None:  # the first call of a generate: nothing written yet
-            self._prompt_width = input_ids.shape[1]
+        if self._prompt_width is None or input_ids.shape[1] < self._prompt_width:  # a generate call's first step
+            self._prompt_width = input_ids.shape[1]  # (one sampler per call, as HFBackend makes them)
         if self.suppress and input_ids.shape[1] - self._prompt_width < self.min_new_tokens:
             # as transformers' MinNewTokensLengthLogitsProcessor (-inf before the warpers), but in place:
             # ``scores`` is generate's own fresh fp32 copy of this step's logits

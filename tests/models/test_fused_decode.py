@@ -114,18 +114,34 @@ def test_fused_steps_under_bf16_autocast_are_as_close_to_fp32_as_transformers_bf
         (fused_err.max(), plain_err.max())
 
 
-def test_weights_are_rebuilt_after_an_optimizer_step():
-    model = small_model("llama", seed=3)
-    decoder = FusedDecoder()
-    first = decoder.weights_for(model, torch.float32)
-    assert decoder.weights_for(model, torch.float32) is first  # unchanged parameters: kept
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight.add_(1.0)  # in place, as an optimizer writes
-    second = decoder.weights_for(model, torch.float32)
-    assert second is not first
+def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_step(tiny):
+    """ragen's fused AdamW writes parameters without bumping their versions: the copy must not outlive the session."""
+    from ragen.train.optimizer import adamw
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    prompts = [tokenizer("go left")["input_ids"]] * 2
+    params = SamplingParams(max_new_tokens=3, do_sample=False)
+    up = model.model.layers[0].mlp.up_proj.weight
     inter = model.config.intermediate_size
-    torch.testing.assert_close(second.layers[0].gate_up[inter:], model.model.layers[0].mlp.up_proj.weight.detach())
-    assert decoder.weights_for(model, torch.bfloat16).dtype == torch.bfloat16
+    with backend.session():
+        backend.generate(prompts, params)
+        first = backend.fused.weights
+        backend.generate(prompts, params)
+        assert backend.fused.weights is first  # the same rollout: built once
+    assert backend.fused.weights is None
+    optimizer = adamw(list(model.parameters()), lr=0.1, betas=(0.9, 0.999), weight_decay=0.0)
+    assert optimizer.param_groups[0]["fused"]
+    before, version = up.detach().clone(), up._version
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert not torch.equal(up.detach(), before) and up._version == version  # changed, version counter not
+    with backend.session():
+        backend.generate(prompts, params)
+        torch.testing.assert_close(backend.fused.weights.layers[0].gate_up[inter:], up.detach())
+    assert FusedDecoder().weights_for(model, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_calls_it_cannot_take_go_to_transformers_and_the_model_is_restored():
@@ -162,6 +178,19 @@ def test_models_it_does_not_compute_are_left_alone():
     sliding = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8))
     assert "sliding" in unsupported_reason(sliding)
 
+    patched = small_model("llama")
+    patched.model.layers[0].mlp.forward = lambda x: x
+    assert "patched" in unsupported_reason(patched)
+
+    class OwnLM(LlamaForCausalLM):  # a subclass may compute something else
+        pass
+
+    assert "subclass" in unsupported_reason(OwnLM(LlamaConfig(**SMALL)))
+
+    partial = small_model("llama_bias")
+    partial.model.layers[2].self_attn.k_proj.bias = None  # biases on q and v only
+    assert "some of the q/k/v" in unsupported_reason(partial)
+
     from peft import LoraConfig, get_peft_model
 
     lora = get_peft_model(small_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -179,13 +208,25 @@ def test_backend_takes_fused_steps_and_samples_what_the_plain_path_samples(tiny)
     assert fused.fused.fused_steps > 0 and plain.fused.fused_steps == 0
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert fused.fused.weights is None  # outside a session the copy is freed after the call
-    with fused.session():
-        fused.generate(prompts, params)
-        kept = fused.fused.weights
-        assert kept is not None
-        fused.generate(prompts, params)
-        assert fused.fused.weights is kept  # the same rollout: built once
-    assert fused.fused.weights is None
+
+
+def test_backend_resumes_kept_caches_through_the_fused_step_as_through_transformers(tiny):
+    """Turn 2 of a session resumes kept KV caches: padding inside rows, explicit positions, growing layers."""
+    model, tokenizer = tiny
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    torch.manual_seed(0)
+    prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (12, 20, 7, 15)]
+    outputs = {}
+    for on in (False, True):
+        backend = HFBackend(model, tokenizer, precision="fp32", fused_decode=on)
+        with backend.session():
+            first = backend.generate(prompts, params)
+            again = [prompts[i] + first[i].token_ids + [5, 6, 7, 8][: i + 1] for i in range(4)]
+            second = backend.generate(again, params)
+            assert backend.stats.reused_tokens > 0
+        outputs[on] = ([g.token_ids for g in first], [g.token_ids for g in second], backend.fused.fused_steps)
+    assert outputs[True][2] > 0 and outputs[False][2] == 0
+    assert outputs[True][:2] == outputs[False][:2]
 
 
 def test_min_new_tokens_keeps_eos_out_until_then(tiny):
