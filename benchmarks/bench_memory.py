@@ -31,7 +31,7 @@ resets). The parent also prints the child's ``ru_maxrss`` from ``os.wait4`` (pea
 last reset, i.e. of the last stage) as a cross-check.
 
 The logits claim ("never ``B × T × V`` in fp32 at once") is checked by instrumenting the LM
-head: a forward hook records the shape and dtype of every output it produces in each stage,
+head during each update: a forward hook records the shape and dtype of every output it produces,
 next to the ``B × T × V × 4`` bytes the whole batch (and one micro-batch) would take, and the
 ``chunk_size`` that ``ragen.train.logprobs.policy_forward`` uses.
 """
@@ -111,7 +111,7 @@ class StageRecorder:
                             "peak_kib": s["VmHWM"], "anon_kib": s.get("RssAnon"), "file_kib": s.get("RssFile"),
                             "heap_used_kib": heap and heap[0], "heap_free_kib": heap and heap[1],
                             "logits": self.logits, **extra})
-        print(f"    [{name}] {time.perf_counter() - self.t:.1f} s, RSS {s['VmRSS'] / 1024:.0f} MiB, "
+        print(f"    [{name}] {time.perf_counter() - self.t:.1f} s, RSS {s['VmRSS'] / 1024:.0f} MiB, {extra}, "
               f"stage peak {s['VmHWM'] / 1024:.0f} MiB", file=sys.stderr, flush=True)
         self.reset_peak()
         self.start()
@@ -179,7 +179,6 @@ def run_child(args) -> dict:
         n = sum(p.numel() for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.trainable_parameters())
         head = base_model(trainer.model).get_output_embeddings()
-        head.register_forward_hook(rec.lm_head_hook)
         rec.end("build StarPOTrainer (load model, LoRA, AdamW, backend)")
         touch(trainer.model)
         rec.end("read every weight once (mmap paged in)")
@@ -188,14 +187,19 @@ def run_child(args) -> dict:
                     max_new_tokens=config.rollout.max_new_tokens, generation_batch=config.rollout.batch_size,
                     lora_rank=config.lora.rank, lora_alpha=config.lora.alpha,
                     checkpointing=config.trainer.gradient_checkpointing)
+        fused = getattr(getattr(trainer, "backend", None), "fused", None)
+        steps = lambda: fused.fused_steps if fused is not None else 0  # noqa: E731
         if args.validate:
             val = trainer.validate()
-            rec.end("validation", success=val.get("val/success"))
+            rec.end("validation", success=val.get("val/success"), fused_decode_steps=steps())
         for step in range(1, args.steps + 1):
             trajectories = trainer.rollout(step)
-            rec.end(f"step {step} rollout", episodes=len(trajectories))
+            rec.end(f"step {step} rollout", episodes=len(trajectories), fused_decode_steps=steps())
             shape = batch_shape(trajectories, config.algorithm.micro_batch_size)
+            # hooked only in the update: a hooked model would decode through transformers' modules, not the fused step
+            handle = head.register_forward_hook(rec.lm_head_hook)
             metrics = trainer.update(trajectories)
+            handle.remove()
             rec.end(f"step {step} update", shape=shape, loss=metrics.get("actor/loss"))
     return {**info, "stages": rec.stages, "params": n, "trainable": trainable, "can_reset": rec.can_reset}
 

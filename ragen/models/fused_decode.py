@@ -65,6 +65,9 @@ SUPPORTED = {
     "qwen2": (qwen2.Qwen2ForCausalLM, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm),
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)
+#: Keyword arguments ``generate`` passes to the forward that do not change a decode step's logits (the
+#: ``tokenizer`` comes along when stop strings are set). Any other one set to a value hands the call to transformers.
+IGNORED_KWARGS = frozenset({CACHE_KWARG, "return_dict", "cache_position", "tokenizer"})
 #: Attention implementations that compute plain softmax attention (what :func:`decode_step` computes).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", decode_attention.NAME, train_attention.NAME)
 
@@ -310,7 +313,7 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
     def forward(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
         cache = kwargs.get(CACHE_KWARG)
-        extra = {k: v for k, v in kwargs.items() if k not in (CACHE_KWARG, "return_dict", "cache_position")}
+        extra = {k: v for k, v in kwargs.items() if k not in IGNORED_KWARGS}
         if (input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or inputs_embeds is not None
                 or labels is not None or use_cache is False or torch.is_grad_enabled() or model.training
                 or any(v not in (None, False) for v in extra.values()) or not _cache_fits(cache, attention_mask)
