@@ -22,7 +22,7 @@ from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.device import model_device
-from ragen.models.fused_decode import FusedDecoder, fused_decode_for
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, fused_decode_for
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
@@ -219,7 +219,8 @@ class HFBackend:
         self.model.eval()
         try:
             # fused_decode_for checks the model's linears before transposed_linears swaps their forwards
-            with autocast(self.precision, self.device.type), fused_decode_for(self.model, self.fused, self.fused_decode), \
+            with autocast(self.precision, self.device.type), \
+                    fused_decode_for(self.model, self.fused, self.fused_decode) as fused, \
                     transposed_linears(self.model, self.transposed_gemm), \
                     decode_attention_for(self.model, self.decode_attention), \
                     frozen_weights_cast_once(self.model, self.device.type):
@@ -230,7 +231,7 @@ class HFBackend:
                     kept.clear()  # copied into ``cache``: free the entries before decoding
                 else:
                     input_ids, attention_mask = self._left_pad(prompts)
-                    cache = self._shared_prefill(prompts, input_ids, attention_mask, room)
+                    cache = self._shared_prefill(prompts, input_ids, attention_mask, room, share=fused)
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
@@ -239,6 +240,7 @@ class HFBackend:
                 self.stats.decode_s += time.perf_counter() - middle
         finally:
             self.model.train(was_training)
+            self.fused.prefix = None  # describes this call's rows only
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
         if keeping:
@@ -260,7 +262,7 @@ class HFBackend:
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        room: int | None = None):
+                        room: int | None = None, share: bool = False):
         """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
 
         A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
@@ -274,7 +276,9 @@ class HFBackend:
 
         With ``room`` (the most tokens ``generate`` will add), the cache's layers grow in place
         (:func:`~ragen.models.growing_cache.make_growing`, before the row copy so it copies the
-        spare columns too).
+        spare columns too). With ``share`` (the fused decode step is on) and rows in equal
+        consecutive groups of a prompt, the prompts' own columns are also kept once per prompt
+        (:class:`~ragen.models.fused_decode.SharedPrefix`) for this call's decode steps.
         """
         if input_ids.shape[1] < 2 or not self.model.config.use_cache:
             self.stats.prefilled_tokens += sum(len(p) for p in prompts)
@@ -290,6 +294,10 @@ class HFBackend:
         if room is not None:
             make_growing(cache, input_ids.shape[1] + room)
         if len(distinct) < len(prompts):
+            group = len(prompts) // len(distinct)
+            if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
+                # rows in equal consecutive groups: the fused decode step reads each prompt's columns once per group
+                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=mask == 0)
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache

@@ -218,12 +218,75 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out
 
 
+@dataclass
+class SharedPrefix:
+    """Rows ``[u·k, (u+1)·k)`` of a decode batch hold the same first ``length`` cache columns: prompt ``u``'s.
+
+    ``keys[i]``/``values[i]`` are layer ``i``'s ``(U, H_kv, length, D)`` for the ``U`` distinct prompts (as
+    prefilled, before the rows were copied out to ``B = U·k``), in fp32, and ``padding`` is ``(U, length)``
+    (True = a padding column) or None. :func:`decode_step` then reads each prompt's keys and values once per
+    group instead of once per row (``HFBackend._shared_prefill`` records it).
+    """
+
+    group: int
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    padding: torch.Tensor | None = None
+
+    @classmethod
+    def from_layers(cls, layers, group: int, padding: torch.Tensor | None) -> "SharedPrefix":
+        """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32."""
+        keys = [layer.keys.float().contiguous() for layer in layers]
+        values = [layer.values.float().contiguous() for layer in layers]
+        if padding is not None and not bool(padding.any()):
+            padding = None
+        return cls(group, keys[0].shape[-2], keys, values, padding)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
+            scaling: float) -> torch.Tensor:
+    """``softmax(q kᵀ · s) v`` per KV head in fp32: ``query`` ``(B, H_kv, g, D)``, keys/values ``(B, H_kv, L, D)``,
+    ``padding`` ``(B, 1, 1, L)`` (True = masked) or None; returns ``(B, H_kv, g, D)``."""
+    scores = torch.matmul(query, keys.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L)
+    if padding is not None:
+        scores.masked_fill_(padding, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float())
+
+
+def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
+                   scaling: float, prefix: SharedPrefix, layer: int) -> torch.Tensor:
+    """:func:`_attend` with the first ``prefix.length`` columns read from the group's shared copy.
+
+    One softmax over ``[shared prefix | the row's own columns]``: the prefix scores come from one GEMM per
+    group with ``k·g`` query rows (``(U, H_kv, k·g, D) @ (U, H_kv, D, L_p)``), the rest from the row's own
+    cache; the same sums as :func:`_attend`, split in two parts.
+    """
+    B, H_kv, g, D = query.shape
+    k, Lp = prefix.group, prefix.length
+    U = B // k
+    grouped = query.view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)  # a group's queries together
+    shared = torch.matmul(grouped, prefix.keys[layer].transpose(-1, -2)).mul_(scaling)  # (U, H_kv, k·g, L_p)
+    if prefix.padding is not None:
+        shared.masked_fill_(prefix.padding[:, None, None, :], float("-inf"))
+    own = torch.matmul(query, keys[:, :, Lp:].float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L - L_p)
+    if padding is not None:
+        own.masked_fill_(padding[..., Lp:], float("-inf"))
+    shared = shared.view(U, H_kv, k, g, Lp).transpose(1, 2).reshape(B, H_kv, g, Lp)
+    probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)  # (B, H_kv, g, L)
+    p_shared = probs[..., :Lp].reshape(U, k, H_kv, g, Lp).transpose(1, 2).reshape(U, H_kv, k * g, Lp)
+    out = torch.matmul(p_shared, prefix.values[layer])  # (U, H_kv, k·g, D)
+    out = out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)
+    return out + torch.matmul(probs[..., Lp:], values[:, :, Lp:].float())  # (B, H_kv, g, D)
+
+
 def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None, cache) -> torch.Tensor:
+                position_ids: torch.Tensor | None, cache, prefix: SharedPrefix | None = None) -> torch.Tensor:
     """Logits ``(B, 1, V)`` for one new token per row, appending its keys and values to ``cache``.
 
     ``input_ids`` ``(B, 1)``; ``attention_mask`` ``(B, L + 1)`` (1 = real, 0 = padding) or None; ``cache``
     holds ``L`` columns per layer. Positions default to ``L`` for every row, as transformers' Llama.
+    With ``prefix`` (rows in groups sharing their first cache columns) attention reads those once per group.
     """
     inner, config = model.model, model.config
     B = input_ids.shape[0]
@@ -251,10 +314,10 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
             keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)
             query = qk[:, :H].reshape(B, H_kv, g, D).float()  # (B, H_kv, g, D): a KV head's query heads together
-            scores = torch.matmul(query, keys.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L + 1)
-            if padding is not None:
-                scores.masked_fill_(padding, float("-inf"))
-            attended = torch.matmul(torch.softmax(scores, dim=-1), values.float())  # (B, H_kv, g, D)
+            if prefix is None:
+                attended = _attend(query, keys, values, padding, scaling)  # (B, H_kv, g, D)
+            else:
+                attended = _attend_shared(query, keys, values, padding, scaling, prefix, i)
             attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
             h = h + _linear(attended, w.o, w.o_bias)
             x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
@@ -280,9 +343,19 @@ class FusedDecoder:
 
     def __init__(self):
         self.weights: FusedWeights | None = None
-        #: Decode steps taken by :func:`decode_step` and handed to transformers since construction.
+        #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``), else None.
+        self.prefix: SharedPrefix | None = None
+        #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0
+        self.shared_prefix_steps = 0
         self.plain_calls = 0
+
+    def prefix_for(self, batch: int, past: int) -> SharedPrefix | None:
+        """The recorded shared prefix if it describes this call's rows (``batch`` rows, ``past`` cached columns)."""
+        p = self.prefix
+        if p is None or batch != p.group * p.keys[0].shape[0] or past < p.length:
+            return None
+        return p
 
     def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
         if self.weights is None or not self.weights.current(model, dtype):
@@ -327,8 +400,10 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
         if not checked or decoder.weights is None or decoder.weights.dtype != dtype:
             decoder.weights_for(model, dtype)  # parameters cannot change within the block: checked once
             checked = True
-        logits = decode_step(model, decoder.weights, input_ids, attention_mask, position_ids, cache)
+        prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
+        logits = decode_step(model, decoder.weights, input_ids, attention_mask, position_ids, cache, prefix)
         decoder.fused_steps += 1
+        decoder.shared_prefix_steps += prefix is not None
         return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
 
     model.forward = forward

@@ -25,11 +25,11 @@ def test_shared_prefill_gives_the_same_tokens_as_a_plain_prefill(backend, monkey
     params = SamplingParams(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
     calls = []
     real = backend._shared_prefill
-    monkeypatch.setattr(backend, "_shared_prefill", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(backend, "_shared_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     shared = backend.generate(prompts, params)
     assert calls  # the shared path really ran ...
-    monkeypatch.setattr(backend, "_shared_prefill", lambda *a: None)
+    monkeypatch.setattr(backend, "_shared_prefill", lambda *a, **k: None)
     torch.manual_seed(0)
     plain = backend.generate(prompts, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in plain]

@@ -10,7 +10,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
-from ragen.models.fused_decode import FusedDecoder, fused_decode_for, unsupported_reason
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend, _attend_shared, fused_decode_for, \
+    unsupported_reason
 from ragen.models.growing_cache import make_growing
 
 SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
@@ -262,3 +263,45 @@ def test_embedded_model_fused_logits_match_transformers():
     ids, mask = padded_batch(width=20, pads=(0, 5, 0, 2))
     out = decode_both(model, ids.clamp(max=model.config.vocab_size - 1), mask, steps=2, grow=True)
     torch.testing.assert_close(out["fused"][0], out["plain"][0], rtol=1e-4, atol=2e-4)
+
+
+class _Layer:  # what SharedPrefix.from_layers reads of a cache layer
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+@pytest.mark.parametrize("group,padded", [(4, True), (2, False), (1, True)])
+def test_shared_prefix_attention_equals_attention_over_each_rows_cache(group, padded):
+    g = torch.Generator().manual_seed(group)
+    U, H_kv, q_heads, D, Lp, own = 3, 2, 3, 8, 11, 5
+    B = U * group
+    prefix_k, prefix_v = torch.randn(U, H_kv, Lp, D, generator=g), torch.randn(U, H_kv, Lp, D, generator=g)
+    rows = torch.arange(B) // group  # row -> its prompt
+    keys = torch.cat([prefix_k[rows], torch.randn(B, H_kv, own, D, generator=g)], dim=2)  # (B, H_kv, L, D)
+    values = torch.cat([prefix_v[rows].bfloat16().float(), torch.randn(B, H_kv, own, D, generator=g)], dim=2)
+    query = torch.randn(B, H_kv, q_heads, D, generator=g)
+    mask = torch.ones(B, Lp + own, dtype=torch.bool)
+    if padded:
+        for u, pad in enumerate((0, 4, 7)):  # left padding of each prompt, the same for its rows
+            mask[rows == u, :pad] = False
+    padding = (~mask)[:, None, None, :]
+    prefix = SharedPrefix.from_layers([_Layer(prefix_k, prefix_v.bfloat16())], group, padding=~mask[::group, :Lp])
+    assert (prefix.padding is not None) == padded
+    out = _attend_shared(query, keys, values, padding if padded else None, 0.3, prefix, 0)
+    torch.testing.assert_close(out, _attend(query, keys, values, padding if padded else None, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_backend_reads_shared_prompts_once_per_group_and_samples_the_same_tokens(tiny):
+    model, tokenizer = tiny
+    a, b, c = (tokenizer(t)["input_ids"] for t in ("push the box", "the box is on the target now", "go"))
+    prompts = [a] * 3 + [b] * 3 + [c] * 3  # groups of 3 consecutive rows, prompts of different lengths: padding
+    params = SamplingParams(max_new_tokens=5, do_sample=False)
+    shared = HFBackend(model, tokenizer, precision="fp32")
+    plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
+    got = shared.generate(prompts, params)
+    assert shared.fused.shared_prefix_steps == shared.fused.fused_steps > 0 and shared.fused.prefix is None
+    assert [g.token_ids for g in got] == [g.token_ids for g in plain.generate(prompts, params)]
+    mixed = [a, b, a, b]  # not in consecutive groups: each row attends over its own cache
+    fused_before = shared.fused.shared_prefix_steps
+    assert [g.token_ids for g in shared.generate(mixed, params)] == [g.token_ids for g in plain.generate(mixed, params)]
+    assert shared.fused.shared_prefix_steps == fused_before
