@@ -29,6 +29,19 @@ from ragen.models.attention_switch import attention_switch, harmless, register, 
 NAME = "ragen_decode"
 
 
+def grouped_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                      padding: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q kᵀ · scaling) v`` in fp32 with a KV head's query heads together: ``query`` ``(B, H_kv, g, D)``,
+    ``key``/``value`` ``(B, H_kv, L, D)``, ``padding`` ``(B, 1, 1, L)`` (True = masked) or None; ``(B, H_kv, g, Dv)``.
+
+    Call it with autocast off (the matmuls would otherwise run in bf16).
+    """
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L)
+    if padding is not None:
+        scores.masked_fill_(padding, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), value.float())  # (B, H_kv, g, Dv)
+
+
 def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
     """``softmax(q kᵀ · scaling) v`` for one query token per row, unmasked; returns ``(B, 1, H, D)`` like ``sdpa``.
 
@@ -38,10 +51,8 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     B, H, _, D = query.shape
     kv_heads = key.shape[1]
     with torch.autocast(query.device.type, enabled=False):  # fp32 even inside generate's bf16 autocast
-        q = query.float().reshape(B, kv_heads, H // kv_heads, D)  # (B, H_kv, g, D): a KV head's query heads together
-        scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, H_kv, g, L)
-        probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, L)
-        out = torch.matmul(probs, value.float())  # (B, H_kv, g, Dv)
+        q = query.reshape(B, kv_heads, H // kv_heads, D)  # (B, H_kv, g, D): a KV head's query heads together
+        out = grouped_one_query(q, key, value, scaling)  # (B, H_kv, g, Dv)
     return out.reshape(B, 1, H, value.shape[-1]).to(query.dtype)  # (B, 1, H, Dv): sdpa's layout after its transpose
 
 

@@ -51,9 +51,10 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ragen.models import decode_attention, train_attention
+from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.growing_cache import GrowingLayer
-from ragen.models.transposed_gemm import MAX_ROWS
+from ragen.models.transposed_gemm import MAX_ROWS, transposed_linear
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -185,15 +186,11 @@ class FusedWeights:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for ``x`` of shape ``(B, in)``: for few rows as ``(W @ xᵀ)ᵀ``, left as that transposed view.
-
-    The view (strides ``(1, B)``) is never copied to row-major: the next GEMM reads its transpose, which is
-    contiguous, and element-wise ops take any strides.
-    """
+    """``F.linear`` for ``x`` of shape ``(B, in)``: for few rows as ``(W @ xᵀ)ᵀ``, left as that transposed view
+    (the next GEMM reads its transpose, which is contiguous; element-wise ops take any strides)."""
     if x.shape[0] > MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # (out, B)
-    return out.t()  # (B, out)
+    return transposed_linear(x, weight, bias, row_major=False)  # (B, out), strides (1, B)
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -244,23 +241,14 @@ class SharedPrefix:
         return cls(group, keys[0].shape[-2], keys, values, padding)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
-            scaling: float) -> torch.Tensor:
-    """``softmax(q kᵀ · s) v`` per KV head in fp32: ``query`` ``(B, H_kv, g, D)``, keys/values ``(B, H_kv, L, D)``,
-    ``padding`` ``(B, 1, 1, L)`` (True = masked) or None; returns ``(B, H_kv, g, D)``."""
-    scores = torch.matmul(query, keys.float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L)
-    if padding is not None:
-        scores.masked_fill_(padding, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values.float())
-
-
 def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
                    scaling: float, prefix: SharedPrefix, layer: int) -> torch.Tensor:
-    """:func:`_attend` with the first ``prefix.length`` columns read from the group's shared copy.
+    """:func:`~ragen.models.decode_attention.grouped_one_query` with the first ``prefix.length`` columns read
+    from the group's shared copy.
 
     One softmax over ``[shared prefix | the row's own columns]``: the prefix scores come from one GEMM per
     group with ``k·g`` query rows (``(U, H_kv, k·g, D) @ (U, H_kv, D, L_p)``), the rest from the row's own
-    cache; the same sums as :func:`_attend`, split in two parts.
+    cache; the same sums as ``grouped_one_query``, split in two parts.
     """
     B, H_kv, g, D = query.shape
     k, Lp = prefix.group, prefix.length
@@ -315,7 +303,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)
             query = qk[:, :H].reshape(B, H_kv, g, D).float()  # (B, H_kv, g, D): a KV head's query heads together
             if prefix is None:
-                attended = _attend(query, keys, values, padding, scaling)  # (B, H_kv, g, D)
+                attended = grouped_one_query(query, keys, values, scaling, padding)  # (B, H_kv, g, D)
             else:
                 attended = _attend_shared(query, keys, values, padding, scaling, prefix, i)
             attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
@@ -381,7 +369,7 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
         return
     plain = model.forward
     own = vars(model).get("forward")  # an instance forward set before this block, restored on exit
-    checked = False
+    weights = None  # fetched at the first step: parameters cannot change within the block
 
     def forward(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
@@ -395,13 +383,12 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
             return plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                          logits_to_keep=logits_to_keep, **kwargs)
-        nonlocal checked
+        nonlocal weights
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else model.lm_head.weight.dtype
-        if not checked or decoder.weights is None or decoder.weights.dtype != dtype:
-            decoder.weights_for(model, dtype)  # parameters cannot change within the block: checked once
-            checked = True
+        if weights is None or weights.dtype != dtype:
+            weights = decoder.weights_for(model, dtype)
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
-        logits = decode_step(model, decoder.weights, input_ids, attention_mask, position_ids, cache, prefix)
+        logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix)
         decoder.fused_steps += 1
         decoder.shared_prefix_steps += prefix is not None
         return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})

@@ -54,14 +54,18 @@ def transposable(module) -> bool:
     )
 
 
-def transposed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` computed as ``(weight @ hiddenᵀ)ᵀ``; contiguous ``(..., out)`` result.
+def transposed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      row_major: bool = True) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` computed as ``(weight @ hiddenᵀ)ᵀ``; a ``(..., out)`` result.
 
-    Differentiable (it is ``torch.mm`` and a transpose). ``hidden`` is ``(..., in)``.
+    Differentiable (it is ``torch.mm`` and a transpose). ``hidden`` is ``(..., in)``. The result is copied to
+    row-major unless ``row_major=False``: then a 2-D ``hidden`` gets the transposed view itself (strides
+    ``(1, M)``), which the next GEMM reads without a copy (:mod:`ragen.models.fused_decode`).
     """
     x = hidden.reshape(-1, hidden.shape[-1])  # (M, in)
     out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # (out, M)
-    return out.t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])  # callers index row-wise: row-major
+    out = out.t().contiguous() if row_major else out.t()  # callers of nn.Linear index row-wise: row-major
+    return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 @contextlib.contextmanager

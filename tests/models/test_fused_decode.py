@@ -10,8 +10,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend, _attend_shared, fused_decode_for, \
-    unsupported_reason
+from ragen.models.decode_attention import grouped_one_query
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend_shared, fused_decode_for, unsupported_reason
 from ragen.models.growing_cache import make_growing
 
 SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
@@ -288,7 +288,8 @@ def test_shared_prefix_attention_equals_attention_over_each_rows_cache(group, pa
     prefix = SharedPrefix.from_layers([_Layer(prefix_k, prefix_v.bfloat16())], group, padding=~mask[::group, :Lp])
     assert (prefix.padding is not None) == padded
     out = _attend_shared(query, keys, values, padding if padded else None, 0.3, prefix, 0)
-    torch.testing.assert_close(out, _attend(query, keys, values, padding if padded else None, 0.3), rtol=1e-5, atol=1e-6)
+    expected = grouped_one_query(query, keys, values, 0.3, padding if padded else None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_backend_reads_shared_prompts_once_per_group_and_samples_the_same_tokens(tiny):
