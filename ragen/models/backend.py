@@ -22,7 +22,7 @@ from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.device import model_device
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, fused_decode_for
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
@@ -289,8 +289,7 @@ class HFBackend:
         rows = torch.tensor([first_row[u] for u in range(len(distinct))], device=input_ids.device)
         ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = output_cache(out)
+        cache = self._prompt_pass(input_ids=ids, attention_mask=mask, position_ids=positions)
         if room is not None:
             make_growing(cache, input_ids.shape[1] + room)
         if len(distinct) < len(prompts):
@@ -301,6 +300,18 @@ class HFBackend:
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
+
+    def _prompt_pass(self, **inputs):
+        """Run prompt tokens through the model for their keys and values only; returns the KV cache.
+
+        Llama-family models of transformers' own classes run their decoder alone
+        (:func:`~ragen.models.fused_decode.decoder_stack`): the logits would be thrown away. Others run whole,
+        with ``logits_to_keep=1``.
+        """
+        decoder = decoder_stack(self.model)
+        if decoder is None:
+            return output_cache(self.model(**inputs, use_cache=True, logits_to_keep=1))
+        return output_cache(decoder(**inputs, use_cache=True))
 
     def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None], room: int | None = None):
         """Left-padded ids, mask and a KV cache for ``prompts`` where row ``i`` starts with ``kept[i]``.
@@ -342,10 +353,8 @@ class HFBackend:
             make_growing(cache, C + S + 1 + room)
         if S:
             positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
-            self.model(
-                input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
-                position_ids=positions[:, C : C + S], use_cache=True, logits_to_keep=1, **with_cache(cache),
-            )
+            self._prompt_pass(input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
+                              position_ids=positions[:, C : C + S], **with_cache(cache))
         self.stats.reused_tokens += sum(reused)
         self.stats.prefilled_tokens += sum(rest) + n
         return input_ids, attention_mask, cache

@@ -53,8 +53,9 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from ragen.models import decode_attention, train_attention
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
+from ragen.models.lora import base_model
 from ragen.models.growing_cache import GrowingLayer
-from ragen.models.transposed_gemm import MAX_ROWS, transposed_linear
+from ragen.models.packed_linear import PackedLinear
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -85,6 +86,20 @@ def _hooked(module: torch.nn.Module) -> bool:
 def _own_forward(module, cls) -> bool:
     """``module`` is exactly ``cls`` and runs the class's ``forward`` (no instance patch)."""
     return type(module) is cls and "forward" not in vars(module)
+
+
+def decoder_stack(model) -> torch.nn.Module | None:
+    """The decoder (embeddings, layers, final norm; no LM head) of a ``llama``/``mistral``/``qwen2`` causal LM of
+    transformers' own class, through a peft wrapper (its adapters live inside the layers); None for other models.
+
+    A prompt prefill that only needs the KV cache calls it instead of the whole model: no logits, and under
+    autocast no bf16 cast of the LM head's weight (a 49 152 × 576 copy per call for SmolLM2).
+    """
+    base = base_model(model)
+    spec = SUPPORTED.get(getattr(getattr(base, "config", None), "model_type", None))
+    if spec is None or type(base) is not spec[0] or not isinstance(getattr(base, "model", None), torch.nn.Module):
+        return None
+    return base.model
 
 
 def unsupported_reason(model) -> str | None:
@@ -135,12 +150,10 @@ def unsupported_reason(model) -> str | None:
 
 @dataclass
 class _LayerWeights:
-    qkv: torch.Tensor  # (H·D + 2·H_kv·D, C): [W_q; W_k; W_v]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # (C, H·D)
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # (2·I, C): [W_gate; W_up]
-    down: torch.Tensor  # (C, I)
+    qkv: PackedLinear  # (H·D + 2·H_kv·D, C): [W_q; W_k; W_v] and its bias, if any
+    o: PackedLinear  # (C, H·D)
+    gate_up: PackedLinear  # (2·I, C): [W_gate; W_up]
+    down: PackedLinear  # (C, I)
     norm_in: torch.Tensor  # (C,) input_layernorm.weight, as stored
     norm_post: torch.Tensor  # (C,)
     eps_in: float
@@ -156,26 +169,27 @@ class FusedWeights:
     :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
     """
 
-    def __init__(self, model, dtype: torch.dtype):
+    def __init__(self, model, dtype: torch.dtype, pack: bool = True):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
-        cast = lambda w: w.detach().to(dtype)  # noqa: E731 (a no-op view when the dtype already matches)
+        cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
         cat = lambda ws: torch.cat([w.detach() for w in ws]).to(dtype)  # noqa: E731
+        linear = lambda w, b=None: PackedLinear(w, b, pack=pack)  # noqa: E731
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
             self.layers.append(_LayerWeights(
-                qkv=cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
-                qkv_bias=cat(biases) if all(b is not None for b in biases) else None,
-                o=cast(a.o_proj.weight), o_bias=cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
-                gate_up=cat((m.gate_proj.weight, m.up_proj.weight)), down=cast(m.down_proj.weight),
+                qkv=linear(cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+                           cat(biases) if all(b is not None for b in biases) else None),
+                o=linear(cast(a.o_proj.weight), cast(a.o_proj.bias)),
+                gate_up=linear(cat((m.gate_proj.weight, m.up_proj.weight))), down=linear(cast(m.down_proj.weight)),
                 norm_in=layer.input_layernorm.weight.detach(), norm_post=layer.post_attention_layernorm.weight.detach(),
                 eps_in=layer.input_layernorm.variance_epsilon, eps_post=layer.post_attention_layernorm.variance_epsilon))
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
-        self.head = cast(model.lm_head.weight)  # (V, C)
+        self.head = linear(cast(model.lm_head.weight))  # (V, C)
 
     @staticmethod
     def _key(model) -> tuple:
@@ -183,14 +197,6 @@ class FusedWeights:
 
     def current(self, model, dtype: torch.dtype) -> bool:
         return dtype == self.dtype and self._key(model) == self.key
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for ``x`` of shape ``(B, in)``: for few rows as ``(W @ xᵀ)ᵀ``, left as that transposed view
-    (the next GEMM reads its transpose, which is contiguous; element-wise ops take any strides)."""
-    if x.shape[0] > MAX_ROWS:
-        return F.linear(x, weight, bias)
-    return transposed_linear(x, weight, bias, row_major=False)  # (B, out), strides (1, B)
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,7 +301,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             padding = (attention_mask == 0)[:, None, None, :]  # (B, 1, 1, L + 1): columns no query may read
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
-            qkv = _linear(x, w.qkv, w.qkv_bias)  # (B, H·D + 2·H_kv·D)
+            qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
             qk = qkv[:, : q_width + kv_width].to(cos.dtype, memory_format=torch.contiguous_format)
             qk = _rotate(qk.view(B, H + H_kv, D), cos, sin)  # (B, H + H_kv, D) query and key heads, rotated together
             key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
@@ -307,14 +313,13 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             else:
                 attended = _attend_shared(query, keys, values, padding, scaling, prefix, i)
             attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
-            h = h + _linear(attended, w.o, w.o_bias)
+            h = h + w.o(attended)
             x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
-            gate_up = _linear(x, w.gate_up)  # (B, 2·I)
+            gate_up = w.gate_up(x)  # (B, 2·I)
             inter = gate_up.shape[-1] // 2
-            h = h + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w.down)  # (B, C)
+            h = h + w.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])  # (B, C)
         x = _rms_norm(h, weights.norm, weights.norm_eps).to(dtype)
-        # row-major logits, as generate reads them (measured: (W @ xᵀ)ᵀ plus a copy or cast is no faster here)
-        return F.linear(x, weights.head).unsqueeze(1)  # (B, 1, V)
+        return weights.head(x).unsqueeze(1)  # (B, 1, V)
 
 
 def _cache_fits(cache, attention_mask) -> bool:
@@ -329,8 +334,10 @@ def _cache_fits(cache, attention_mask) -> bool:
 class FusedDecoder:
     """Holds one model's :class:`FusedWeights` between calls of one rollout session; :meth:`clear` drops them."""
 
-    def __init__(self):
+    def __init__(self, pack: bool = True):
         self.weights: FusedWeights | None = None
+        #: Pack the weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors.
+        self.pack = pack
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``), else None.
         self.prefix: SharedPrefix | None = None
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
@@ -348,7 +355,7 @@ class FusedDecoder:
     def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
         if self.weights is None or not self.weights.current(model, dtype):
             self.weights = None  # free the old copy before building the new one
-            self.weights = FusedWeights(model, dtype)
+            self.weights = FusedWeights(model, dtype, pack=self.pack)
         return self.weights
 
     def clear(self) -> None:

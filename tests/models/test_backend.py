@@ -46,7 +46,8 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
         ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
     seen = []
-    handle = backend.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    handle = backend.model.get_decoder().register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape),
+                                                                with_kwargs=True)
     try:
         cache = backend._shared_prefill(prompts, ids, mask)
     finally:
@@ -57,7 +58,8 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     assert k0.shape[0] == len(prompts)
     assert torch.equal(k0[0], k0[6]) and torch.equal(k0[3], k0[4]) and not torch.equal(k0[0], k0[3])
     seen.clear()
-    handle = backend.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    handle = backend.model.get_decoder().register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape),
+                                                                with_kwargs=True)
     try:  # all distinct: the same one pass per row that ``generate`` would make, done here so it is timed apart
         cache = backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]])
     finally:

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
@@ -13,6 +14,7 @@ from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend_shared, fused_decode_for, unsupported_reason
 from ragen.models.growing_cache import make_growing
+from ragen.models.packed_linear import packing_available
 
 SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
@@ -45,7 +47,7 @@ def padded_batch(seed: int = 0, batch: int = 4, width: int = 13, pads=(0, 3, 0, 
     return ids, mask
 
 
-def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False):
+def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False, pack: bool = True):
     """Logits of ``steps`` one-token calls after a prefill, through transformers and through the fused step."""
     out = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -55,7 +57,7 @@ def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool
             make_growing(cache, ids.shape[1] + steps + 2)
         for arm in ("plain", "fused"):
             c = copy.deepcopy(cache)
-            decoder = FusedDecoder()
+            decoder = FusedDecoder(pack=pack)
             logits, token, m = [], ids[:, -1:], mask
             with fused_decode_for(model, decoder, enabled=arm == "fused") as switched:
                 assert switched == (arm == "fused")
@@ -70,13 +72,15 @@ def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool
 
 @pytest.mark.parametrize("kind", ["llama", "llama_bias", "qwen2", "mistral"])
 @pytest.mark.parametrize("grow", [False, True])
-def test_fused_steps_equal_transformers_in_fp32(kind, grow):
+@pytest.mark.parametrize("pack", [True, False])  # oneDNN-packed weights, and the plain-tensor fallback
+def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     model = small_model(kind)
     assert unsupported_reason(model) is None
     ids, mask = padded_batch()
-    out = decode_both(model, ids, mask, grow=grow)
+    out = decode_both(model, ids, mask, grow=grow, pack=pack)
     (plain, plain_cache, _), (fused, fused_cache, decoder) = out["plain"], out["fused"]
     assert decoder.fused_steps == 3 and decoder.plain_calls == 0
+    assert decoder.weights.head.packed == (pack and packing_available(torch.float32))
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
         torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
@@ -141,7 +145,8 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
     assert not torch.equal(up.detach(), before) and up._version == version  # changed, version counter not
     with backend.session():
         backend.generate(prompts, params)
-        torch.testing.assert_close(backend.fused.weights.layers[0].gate_up[inter:], up.detach())
+        x = torch.randn(3, model.config.hidden_size)
+        torch.testing.assert_close(backend.fused.weights.layers[0].gate_up(x)[:, inter:], F.linear(x, up.detach()))
     assert FusedDecoder().weights_for(model, torch.bfloat16).dtype == torch.bfloat16
 
 
@@ -207,8 +212,8 @@ def test_backend_takes_fused_steps_and_samples_what_the_plain_path_samples(tiny)
     fused = HFBackend(model, tokenizer, precision="fp32", fused_decode=True)
     plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
-    # every generate step fused (one per new token of the longest row); only the shared prefill went to transformers
-    assert fused.fused.fused_steps == max(len(g.token_ids) for g in a) and fused.fused.plain_calls == 1
+    # every generate step fused (one per new token of the longest row); the shared prefill ran the decoder itself
+    assert fused.fused.fused_steps == max(len(g.token_ids) for g in a) and fused.fused.plain_calls == 0
     assert plain.fused.fused_steps == 0
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert fused.fused.weights is None  # outside a session the copy is freed after the call

@@ -1,0 +1,77 @@
+"""Linear layers on weights reordered once into oneDNN's blocked layout: ``x Wᵀ + b`` without a per-call weight reorder.
+
+A CPU GEMM kernel reads its weight matrix in a blocked ("packed") layout. ``F.linear`` on a plain
+row-major weight lets the BLAS pack it again at every call; during decoding, where a call brings
+only one token per row, that repacking is a large share of each projection. oneDNN (torch's
+``mkldnn`` backend) can pack a weight once (``torch.ops.mkldnn._reorder_linear_weight``, the op
+torch's inductor uses when it freezes a model's weights for CPU inference) and then run
+``_linear_pointwise`` on it for any number of rows.
+
+The products and sums are those of ``F.linear`` in the same dtype: in fp32 and in bf16 (fp32
+accumulation) the outputs were bitwise equal to ``F.linear``'s at 1 to 700 rows on this machine
+(``tests/models/test_packed_linear.py`` checks agreement to float rounding, since another CPU's
+kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``docs/performance.md``,
+"Prepacked weights"): SmolLM2's projections at 32 rows 1.1-1.3× faster than ``(W @ xᵀ)ᵀ`` and
+1.5-2.0× faster than ``F.linear``; the 49 152 × 576 LM head 1.8× faster than ``F.linear``.
+
+A packed weight is a copy: it does not follow later changes to the parameter. Owners scope it
+(:class:`~ragen.models.fused_decode.FusedDecoder` keeps it for one rollout session).
+Where torch has no oneDNN (or it refuses the dtype), :class:`PackedLinear` keeps the plain weight and
+computes :func:`~ragen.models.transposed_gemm.transposed_linear` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ragen.models.transposed_gemm import MAX_ROWS, transposed_linear
+
+#: Row count oneDNN is told to expect when packing (measured: the layout it picks ran equally fast at 1-700 rows).
+_BATCH_HINT = 64
+
+
+@functools.cache
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs and runs ``dtype`` CPU linears with oneDNN (tried once on a small weight)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.ones(8, 16, dtype=dtype), torch.ones(2, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out.shape == (2, 8) and out.dtype == dtype and bool((out == 16).all())
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+class PackedLinear:
+    """``x @ weightᵀ + bias`` for ``x`` of shape ``(..., in)`` on a weight packed once (a copy; see the module doc).
+
+    ``weight`` ``(out, in)`` and ``bias`` ``(out,)`` should already be in the compute dtype; ``x`` must be in it too.
+    Without oneDNN for that dtype (or ``pack=False``) the weight stays as given and calls run
+    :func:`~ragen.models.transposed_gemm.transposed_linear` (up to :data:`~ragen.models.transposed_gemm.MAX_ROWS`
+    rows) or ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias.detach() if bias is not None else None
+        self.packed = pack and weight.device.type == "cpu" and packing_available(weight.dtype)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT) if self.packed else weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            flat = x.reshape(-1, self.in_features)  # (M, in)
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")  # (M, out) row-major
+            return out.view(*x.shape[:-1], self.out_features)
+        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return transposed_linear(x, self.weight, self.bias, row_major=False)  # (M, out), strides (1, M)
+        return F.linear(x, self.weight, self.bias)
