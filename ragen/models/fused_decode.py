@@ -160,6 +160,20 @@ class _LayerWeights:
     eps_post: float
 
 
+#: The fused step's GEMMs, by the names :class:`FusedWeights` packs them under.
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
+
+
+def _stacked(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat(tensors).to(dtype)`` in one pass: each part is cast while it is copied into its rows."""
+    out = torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=dtype)
+    row = 0
+    for t in tensors:
+        out[row : row + t.shape[0]].copy_(t.detach())
+        row += t.shape[0]
+    return out
+
+
 class FusedWeights:
     """A model's decode weights, concatenated and cast to ``dtype`` once: a copy, valid while the parameters do not change.
 
@@ -169,27 +183,28 @@ class FusedWeights:
     :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
     """
 
-    def __init__(self, model, dtype: torch.dtype, pack: bool = True):
+    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
+        packed = set(PROJECTIONS) if pack is True else set(pack or ())
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
-        cat = lambda ws: torch.cat([w.detach() for w in ws]).to(dtype)  # noqa: E731
-        linear = lambda w, b=None: PackedLinear(w, b, pack=pack)  # noqa: E731
+        linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed)  # noqa: E731
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
             self.layers.append(_LayerWeights(
-                qkv=linear(cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
-                           cat(biases) if all(b is not None for b in biases) else None),
-                o=linear(cast(a.o_proj.weight), cast(a.o_proj.bias)),
-                gate_up=linear(cat((m.gate_proj.weight, m.up_proj.weight))), down=linear(cast(m.down_proj.weight)),
+                qkv=linear("qkv", _stacked((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype),
+                           _stacked(biases, dtype) if all(b is not None for b in biases) else None),
+                o=linear("o", cast(a.o_proj.weight), cast(a.o_proj.bias)),
+                gate_up=linear("gate_up", _stacked((m.gate_proj.weight, m.up_proj.weight), dtype)),
+                down=linear("down", cast(m.down_proj.weight)),
                 norm_in=layer.input_layernorm.weight.detach(), norm_post=layer.post_attention_layernorm.weight.detach(),
                 eps_in=layer.input_layernorm.variance_epsilon, eps_post=layer.post_attention_layernorm.variance_epsilon))
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
-        self.head = linear(cast(model.lm_head.weight))  # (V, C)
+        self.head = linear("head", cast(model.lm_head.weight))  # (V, C)
 
     @staticmethod
     def _key(model) -> tuple:
@@ -225,26 +240,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class SharedPrefix:
     """Rows ``[u·k, (u+1)·k)`` of a decode batch hold the same first ``length`` cache columns: prompt ``u``'s.
 
-    ``keys[i]``/``values[i]`` are layer ``i``'s ``(U, H_kv, length, D)`` for the ``U`` distinct prompts (as
-    prefilled, before the rows were copied out to ``B = U·k``), in fp32, and ``padding`` is ``(U, length)``
-    (True = a padding column) or None. :func:`decode_step` then reads each prompt's keys and values once per
+    For the ``U`` distinct prompts (as prefilled, before the rows were copied out to ``B = U·k``), in fp32:
+    ``keys_t[i]`` is layer ``i``'s keys transposed, ``(U, H_kv, D, length)`` and contiguous (the layout the
+    score GEMM reads fastest); ``values[i]`` is ``(U, H_kv, length, D)``; ``padding`` is ``(U, length)``
+    (True = a padding column) or None, and ``bias`` the same as an additive ``(U, 1, 1, length)`` mask
+    (-inf at padding, else 0). :func:`decode_step` then reads each prompt's keys and values once per
     group instead of once per row (``HFBackend._shared_prefill`` records it).
     """
 
     group: int
     length: int
-    keys: list[torch.Tensor]
+    keys_t: list[torch.Tensor]
     values: list[torch.Tensor]
     padding: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @classmethod
     def from_layers(cls, layers, group: int, padding: torch.Tensor | None) -> "SharedPrefix":
         """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32."""
-        keys = [layer.keys.float().contiguous() for layer in layers]
+        keys_t = [layer.keys.float().transpose(-1, -2).contiguous() for layer in layers]
         values = [layer.values.float().contiguous() for layer in layers]
-        if padding is not None and not bool(padding.any()):
+        bias = None
+        if padding is not None and bool(padding.any()):
+            bias = torch.zeros(padding.shape[0], 1, 1, padding.shape[1]).masked_fill_(padding[:, None, None, :],
+                                                                                       float("-inf"))
+        else:
             padding = None
-        return cls(group, keys[0].shape[-2], keys, values, padding)
+        return cls(group, keys_t[0].shape[-1], keys_t, values, padding, bias)
 
 
 def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
@@ -254,16 +276,18 @@ def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
     One softmax over ``[shared prefix | the row's own columns]``: the prefix scores come from one GEMM per
     group with ``k·g`` query rows (``(U, H_kv, k·g, D) @ (U, H_kv, D, L_p)``), the rest from the row's own
-    cache; the same sums as ``grouped_one_query``, split in two parts.
+    cache; the same sums as ``grouped_one_query``, split in two parts (the query is scaled before the
+    products rather than the scores after them: the same up to fp32 rounding).
     """
     B, H_kv, g, D = query.shape
     k, Lp = prefix.group, prefix.length
     U = B // k
+    query = query * scaling
     grouped = query.view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)  # a group's queries together
-    shared = torch.matmul(grouped, prefix.keys[layer].transpose(-1, -2)).mul_(scaling)  # (U, H_kv, k·g, L_p)
-    if prefix.padding is not None:
-        shared.masked_fill_(prefix.padding[:, None, None, :], float("-inf"))
-    own = torch.matmul(query, keys[:, :, Lp:].float().transpose(-1, -2)).mul_(scaling)  # (B, H_kv, g, L - L_p)
+    shared = torch.matmul(grouped, prefix.keys_t[layer])  # (U, H_kv, k·g, L_p)
+    if prefix.bias is not None:
+        shared.add_(prefix.bias)
+    own = torch.matmul(query, keys[:, :, Lp:].float().transpose(-1, -2))  # (B, H_kv, g, L - L_p)
     if padding is not None:
         own.masked_fill_(padding[..., Lp:], float("-inf"))
     shared = shared.view(U, H_kv, k, g, Lp).transpose(1, 2).reshape(B, H_kv, g, Lp)
@@ -348,7 +372,7 @@ class FusedDecoder:
     def prefix_for(self, batch: int, past: int) -> SharedPrefix | None:
         """The recorded shared prefix if it describes this call's rows (``batch`` rows, ``past`` cached columns)."""
         p = self.prefix
-        if p is None or batch != p.group * p.keys[0].shape[0] or past < p.length:
+        if p is None or batch != p.group * p.values[0].shape[0] or past < p.length:
             return None
         return p
 
