@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -115,10 +116,13 @@ class HFBackend:
     """
 
     SAMPLERS = ("inverse_cdf", "multinomial")
+    #: Fewest tokens the distinct prompts of a call must share before :meth:`_common_prefill` computes them once.
+    min_common_prefix = 8
 
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
-                 grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True):
+                 grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True,
+                 common_prefix: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -126,6 +130,7 @@ class HFBackend:
         self.grow_cache = grow_cache
         self.decode_attention = decode_attention
         self.fused_decode = fused_decode
+        self.common_prefix = common_prefix
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
         self._in_session = False
         self.model = model
@@ -147,7 +152,7 @@ class HFBackend:
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                   fused_decode=r.fast_decode)
+                   fused_decode=r.fast_decode, common_prefix=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
@@ -229,6 +234,8 @@ class HFBackend:
                 if any(k is not None for k in kept):
                     input_ids, attention_mask, cache = self._resume_prefill(prompts, kept, room)
                     kept.clear()  # copied into ``cache``: free the entries before decoding
+                elif (common := self._common_prefill(prompts, room, share=fused) if self.common_prefix else None):
+                    input_ids, attention_mask, cache = common
                 else:
                     input_ids, attention_mask = self._left_pad(prompts)
                     cache = self._shared_prefill(prompts, input_ids, attention_mask, room, share=fused)
@@ -358,6 +365,50 @@ class HFBackend:
         self.stats.reused_tokens += sum(reused)
         self.stats.prefilled_tokens += sum(rest) + n
         return input_ids, attention_mask, cache
+
+    def _common_prefill(self, prompts: list[list[int]], room: int | None = None, share: bool = False):
+        """Left-padded-by-parts ids, mask and KV cache for ``prompts`` whose distinct prompts share their first tokens.
+
+        Prompts rendered from one template (the system prompt, the game's rules) differ only after a
+        common prefix: the bandit preset's prompts share 63 of their ~109 tokens. Its keys and values are
+        the same in every row -- positions start at each row's first real token -- so they are computed once,
+        in a pass of one row, and each distinct prompt's rest runs on top of them
+        (:meth:`_resume_prefill`'s layout: ``[common | padding | rest]``, positions counting real tokens
+        only), once per distinct prompt; rows are then copied out as in :meth:`_shared_prefill`. Prefill work
+        goes from ``U·P`` tokens to ``c + U·(P - c)``. The same keys, values and logits as the left-padded
+        prefill, up to float rounding (GEMMs of other row counts may sum in another order).
+
+        None (nothing done) when fewer than two distinct prompts or fewer than
+        :attr:`min_common_prefix` common tokens, or the model's cache is not a plain per-layer cache.
+        """
+        if not self.model.config.use_cache:
+            return None
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        common = min(len(os.path.commonprefix(distinct)), min(map(len, distinct)) - 1)  # the last token stays for generate
+        if len(distinct) < 2 or common < self.min_common_prefix:
+            return None
+        ids = torch.tensor([distinct[0][:common]], device=self.device)  # (1, c)
+        shared = self._prompt_pass(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                   position_ids=torch.arange(common, device=self.device)[None])
+        if any(type(layer) is not DynamicLayer for layer in shared.layers):
+            return None  # sliding-window, quantised, ... caches: the left-padded prefill handles them
+        entry = CachedPrefix(token_ids=distinct[0][:common], keys=[layer.keys[0] for layer in shared.layers],
+                             values=[layer.values[0] for layer in shared.layers])  # (heads, c, head_dim) per layer
+        stats = (self.stats.reused_tokens, self.stats.prefilled_tokens)
+        input_ids, attention_mask, cache = self._resume_prefill([list(p) for p in distinct], [entry] * len(distinct), room)
+        del entry, shared
+        # counted here: the common tokens ran once, each distinct prompt's rest once, each row's last token
+        self.stats.reused_tokens, self.stats.prefilled_tokens = stats
+        self.stats.prefilled_tokens += common + sum(len(p) - 1 - common for p in distinct) + len(prompts)
+        index = {p: u for u, p in enumerate(distinct)}
+        row_prompt = [index[tuple(p)] for p in prompts]
+        if len(distinct) < len(prompts):
+            group = len(prompts) // len(distinct)
+            if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
+                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=attention_mask[:, :-1] == 0)
+        rows = torch.tensor(row_prompt, device=input_ids.device)
+        cache.reorder_cache(rows)  # (U, ...) -> (B, ...)
+        return input_ids[rows], attention_mask[rows], cache
 
     def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
         """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn, as far

@@ -65,3 +65,52 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     finally:
         handle.remove()
     assert seen == [torch.Size([2, width - 1])] and cache.get_seq_length() == width - 1
+
+
+def templated_prompts(tokenizer, grouped: bool = True):
+    """Distinct prompts from one template: a long common prefix, then differing states of different lengths."""
+    head = "System: you play a game. Rules: move the box onto the target; answer with one action. State:"
+    ids = [tokenizer(head + s)["input_ids"] for s in [" box left", " the box is far to the right of you", " wall"]]
+    rows = [ids[0]] * 2 + [ids[1]] * 2 + [ids[2]] * 2
+    return rows if grouped else rows[::2] + rows[1::2]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_common_prefix_prefill_gives_the_same_tokens_with_less_prefill(do_sample, grouped):
+    model, tokenizer = load_model("tiny")
+    prompts = templated_prompts(tokenizer, grouped)
+    distinct = list(dict.fromkeys(map(tuple, prompts)))
+    common = len(__import__("os").path.commonprefix(distinct))
+    assert common >= HFBackend.min_common_prefix
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, do_sample=do_sample)
+    runs = {}
+    for on in (True, False):
+        backend = HFBackend(model, tokenizer, precision="fp32", common_prefix=on)
+        seen = []
+        handle = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                                               with_kwargs=True)
+        try:
+            torch.manual_seed(0)
+            runs[on] = backend.generate(prompts, params), backend.stats.prefilled_tokens, seen
+        finally:
+            handle.remove()
+    (shared, shared_tokens, shared_calls), (plain, plain_tokens, plain_calls) = runs[True], runs[False]
+    assert [g.token_ids for g in shared] == [g.token_ids for g in plain]
+    assert [g.finish_reason for g in shared] == [g.finish_reason for g in plain]
+    assert plain_tokens - shared_tokens == common * (len(distinct) - 1)  # the common tokens ran once, not per prompt
+    width = max(map(len, prompts))
+    # one row for the common tokens, then each distinct prompt's rest (all but its last token) once
+    assert shared_calls[:2] == [(1, common), (len(distinct), width - 1 - common)]
+    assert plain_calls[0] == (len(distinct), width - 1)
+
+
+def test_common_prefix_feeds_the_fused_steps_shared_prefix_and_skips_unrelated_prompts():
+    model, tokenizer = load_model("tiny")
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    params = SamplingParams(max_new_tokens=4, do_sample=False)
+    backend.generate(templated_prompts(tokenizer), params)
+    assert backend.fused.shared_prefix_steps == backend.fused.fused_steps > 0  # grouped rows: read once per group
+    assert backend._common_prefill(prompts_with_groups(tokenizer)) is None  # nothing in common: left-padded prefill
+    short = [tokenizer("System: a")["input_ids"], tokenizer("System: b")["input_ids"]]
+    assert backend._common_prefill(short) is None  # too few common tokens to be worth a pass

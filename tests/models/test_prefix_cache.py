@@ -75,9 +75,10 @@ def tiny():
     return load_model("tiny")
 
 
-def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3), max_bytes=None):
+def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3), max_bytes=None, common_prefix=True):
     model, tokenizer = tiny
-    backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=reuse_kv, reuse_kv_max_bytes=max_bytes)
+    backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=reuse_kv, reuse_kv_max_bytes=max_bytes,
+                        common_prefix=common_prefix)
     settings = settings or AgentSettings(max_turn=4, max_actions_per_turn=2)
     sampling = SamplingParams(max_new_tokens=20, do_sample=do_sample, temperature=1.0, stop=("</answer>",))
     rollout = Rollout(backend, tokenizer, settings, sampling)
@@ -89,7 +90,8 @@ def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3), 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_rollout_with_kept_caches_plays_the_same_tokens_and_prefills_far_fewer(tiny, do_sample):
     kept_trajs, kept = play(tiny, True, do_sample=do_sample)
-    plain_trajs, plain = play(tiny, False, do_sample=do_sample)
+    # the plain arm re-encodes every prompt whole (no common-prefix sharing either)
+    plain_trajs, plain = play(tiny, False, do_sample=do_sample, common_prefix=False)
     assert [t.input_ids for t in kept_trajs] == [t.input_ids for t in plain_trajs]
     assert [t.loss_mask for t in kept_trajs] == [t.loss_mask for t in plain_trajs]
     assert all(len(t.turns) == 4 for t in kept_trajs)  # the tiny model never finishes: every turn resumes a cache
