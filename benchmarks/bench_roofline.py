@@ -236,15 +236,15 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
     for B in args.batches:
         distinct = max(1, B // size)
         batch = [prompts[i % len(prompts)] for i in range(distinct) for _ in range(size)][:B]
-        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps)
+        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps, backend.stats.prefilled_tokens)
         t0 = time.perf_counter()
         gens = backend.generate(batch, params)
         seconds = time.perf_counter() - t0
         lengths = [len(g.token_ids) for g in gens]
         res = {"batch": B, "distinct": distinct, "seconds": seconds, "generated": sum(lengths),
                "exact": all(n == args.new_tokens for n in lengths), "prompt_len": statistics.mean(len(p) for p in batch),
-               # the shared-prompt prefill runs each distinct prompt once
-               "prefill_tokens": sum(len(p) for p in {tuple(p) for p in batch}),
+               # tokens the prefill really ran: each distinct prompt once, their common prefix once (HFBackend counts them)
+               "prefill_tokens": backend.stats.prefilled_tokens - stats0[3],
                "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
                "fused_steps": backend.fused.fused_steps - stats0[2]}
         out.append(res)

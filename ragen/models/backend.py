@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
+from ragen.models.decode_loop import DecodeOutput, decode
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
 from ragen.models.growing_cache import GrowingLayer, make_growing
@@ -122,7 +123,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
                  grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True,
-                 common_prefix: bool = True):
+                 common_prefix: bool = True, decode_loop: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -131,6 +132,7 @@ class HFBackend:
         self.decode_attention = decode_attention
         self.fused_decode = fused_decode
         self.common_prefix = common_prefix
+        self.decode_loop = decode_loop
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
         self._in_session = False
         self.model = model
@@ -152,7 +154,7 @@ class HFBackend:
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                   fused_decode=r.fast_decode, common_prefix=r.fast_decode)
+                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
@@ -207,6 +209,7 @@ class HFBackend:
             eos_token_id=sorted(self.eos_ids),
             return_dict_in_generate=True,
         )
+        sampler = None  # greedy; False: sampled with torch.multinomial, left to generate
         if params.do_sample and self.sampler == "inverse_cdf":
             # generate's greedy step takes the token the processor drew (ragen/models/sampling.py); the
             # processor also keeps EOS out until min_new_tokens (in place, no fresh (B, V) tensors)
@@ -215,6 +218,7 @@ class HFBackend:
             kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
         else:
             if params.do_sample:
+                sampler = False
                 kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
             if params.min_new_tokens:
                 kwargs.update(min_new_tokens=params.min_new_tokens)
@@ -242,7 +246,12 @@ class HFBackend:
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
-                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                if self.decode_loop and cache is not None and sampler is not False and decoder_stack(self.model) is not None:
+                    out = decode(self.model, input_ids, attention_mask, cache, max_new_tokens=params.max_new_tokens,
+                                 eos_ids=sorted(self.eos_ids), pad_id=self.pad_id, sampler=sampler,
+                                 stop_strings=params.stop, tokenizer=self.tokenizer, min_new_tokens=params.min_new_tokens)
+                else:
+                    out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
                 self.stats.prefill_s += middle - start
                 self.stats.decode_s += time.perf_counter() - middle
         finally:
@@ -251,7 +260,7 @@ class HFBackend:
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
         if keeping:
-            self._keep(output_cache(out), prompts, attention_mask, generations)
+            self._keep(out.cache if isinstance(out, DecodeOutput) else output_cache(out), prompts, attention_mask, generations)
         return generations
 
     @property

@@ -100,11 +100,20 @@ class InverseCDFSampler(LogitsProcessor):
         return self._buffer
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        token = self.draw(input_ids, scores)  # (B, 1)
+        return self._buffer.fill_(float("-inf")).scatter_(1, token, 0.0)
+
+    def draw(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor:
+        """The sampled token per row, ``(B, 1)``, for ``input_ids`` ``(B, L)`` so far and fp32 ``scores`` ``(B, V)``.
+
+        ``scores`` may be written (EOS set to -inf before ``min_new_tokens``). :mod:`ragen.models.decode_loop`
+        calls this directly; ``generate`` goes through ``__call__``.
+        """
         if self._prompt_width is None or input_ids.shape[1] < self._prompt_width:  # a generate call's first step
             self._prompt_width = input_ids.shape[1]  # (one sampler per call, as HFBackend makes them)
         if self.suppress and input_ids.shape[1] - self._prompt_width < self.min_new_tokens:
             # as transformers' MinNewTokensLengthLogitsProcessor (-inf before the warpers), but in place:
-            # ``scores`` is generate's own fresh fp32 copy of this step's logits
+            # ``scores`` is this step's own fp32 copy of the logits (generate's, or the decode loop's buffer)
             scores[:, self.suppress] = float("-inf")
         scores = self.warpers(input_ids, scores)  # (B, V)
         weights = self._weights_buffer(scores)  # (B, V) float32, reused every step
@@ -113,5 +122,4 @@ class InverseCDFSampler(LogitsProcessor):
             weights.div_(self.temperature)
         weights.exp_()  # w = exp((z - max z) / T) ∈ [0, 1]: softmax's numerator
         u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
-        token = inverse_cdf(weights, u)  # (B, 1)
-        return weights.fill_(float("-inf")).scatter_(1, token, 0.0)
+        return inverse_cdf(weights, u)  # (B, 1)
