@@ -312,10 +312,14 @@ class HFBackend:
             group = len(prompts) // len(distinct)
             if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
                 # rows in equal consecutive groups: the fused decode step reads each prompt's columns once per group
-                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=mask == 0)
+                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=mask == 0, capacity=self._own_capacity(room))
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
+
+    def _own_capacity(self, room: int | None) -> int:
+        """Decode steps a shared prefix keeps the rows' own columns for, per group (0 when the decoder does not)."""
+        return (room or 0) if self.fused.group_own_columns else 0
 
     def _prompt_pass(self, **inputs):
         """Run prompt tokens through the model for their keys and values only; returns the KV cache.
@@ -414,7 +418,8 @@ class HFBackend:
         if len(distinct) < len(prompts):
             group = len(prompts) // len(distinct)
             if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
-                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=attention_mask[:, :-1] == 0)
+                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=attention_mask[:, :-1] == 0,
+                                                              capacity=self._own_capacity(room))
         rows = torch.tensor(row_prompt, device=input_ids.device)
         cache.reorder_cache(rows)  # (U, ...) -> (B, ...)
         return input_ids[rows], attention_mask[rows], cache

@@ -254,10 +254,18 @@ class SharedPrefix:
     values: list[torch.Tensor]
     padding: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    #: Most decode steps whose keys and values :func:`_attend_grouped` keeps in the group layout (0: none).
+    capacity: int = 0
+    #: Steps kept so far; None once a step went another way (the copies are then incomplete: not used again).
+    own_steps: int | None = 0
+    own_keys_t: list[torch.Tensor] | None = None  # per layer (U, H_kv, D, capacity·k): column t·k + j = row j's step t
+    own_values: list[torch.Tensor] | None = None  # per layer (U, H_kv, capacity·k, D)
+    own_bias: torch.Tensor | None = None  # (k·g, capacity·k): 0 where query row j·g + h may read column t·k + j
 
     @classmethod
-    def from_layers(cls, layers, group: int, padding: torch.Tensor | None) -> "SharedPrefix":
-        """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32."""
+    def from_layers(cls, layers, group: int, padding: torch.Tensor | None, capacity: int = 0) -> "SharedPrefix":
+        """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32. ``capacity``: the
+        most decode steps the call may take (room for :func:`_attend_grouped`'s copies; 0 keeps none)."""
         keys_t = [layer.keys.float().transpose(-1, -2).contiguous() for layer in layers]
         values = [layer.values.float().contiguous() for layer in layers]
         bias = None
@@ -266,7 +274,18 @@ class SharedPrefix:
                                                                                        float("-inf"))
         else:
             padding = None
-        return cls(group, keys_t[0].shape[-1], keys_t, values, padding, bias)
+        return cls(group, keys_t[0].shape[-1], keys_t, values, padding, bias, capacity=capacity)
+
+    def grouped_step(self, past: int, padding: torch.Tensor | None) -> bool:
+        """Whether this decode step (``past`` cached columns before it) can run :func:`_attend_grouped`: every earlier
+        step since the prefix did, there is room, and no own column is padding."""
+        if self.own_steps is None or self.own_steps >= self.capacity or past - self.length != self.own_steps:
+            self.own_steps = None
+            return False
+        if padding is not None and bool(padding[..., self.length :].any()):
+            self.own_steps = None
+            return False
+        return True
 
 
 def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
@@ -298,6 +317,41 @@ def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out + torch.matmul(probs[..., Lp:], values[:, :, Lp:].float())  # (B, H_kv, g, D)
 
 
+def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prefix: SharedPrefix,
+                    layer: int) -> torch.Tensor:
+    """:func:`_attend_shared` with the rows' own columns also read per group: one softmax per group and KV head.
+
+    The step's ``key``/``value`` ``(B, H_kv, 1, D)`` (also appended to the cache by the caller) are copied into
+    ``prefix``'s group-layout buffers, step-major (column ``t·k + j`` holds row ``j``'s step ``t``). Then each
+    group's ``k·g`` query rows meet ``[shared prefix | all k rows' own columns]`` in two GEMMs of the group
+    (``(U, H_kv, k·g, D) @ (U, H_kv, D, L_p + n·k)``) instead of one tiny GEMM per row; ``own_bias`` (-inf)
+    keeps each row to its own columns. The same sums as :func:`_attend_shared` (a -inf score adds nothing),
+    with ~4x fewer, larger batched matrices.
+    """
+    B, H_kv, g, D = query.shape
+    k, Lp, t = prefix.group, prefix.length, prefix.own_steps
+    U = B // k
+    if prefix.own_keys_t is None:  # the first grouped step: allocate every layer's buffers
+        n_layers, width = len(prefix.keys_t), prefix.capacity * k
+        prefix.own_keys_t = [query.new_empty(U, H_kv, D, width) for _ in range(n_layers)]
+        prefix.own_values = [query.new_empty(U, H_kv, width, value.shape[-1]) for _ in range(n_layers)]
+        row = torch.arange(k, device=query.device).repeat_interleave(g)  # query row j·g + h -> j
+        column = torch.arange(k, device=query.device).repeat(prefix.capacity)  # column t·k + j -> j
+        prefix.own_bias = query.new_zeros(k * g, width).masked_fill_(row[:, None] != column[None, :], float("-inf"))
+    own_keys_t, own_values = prefix.own_keys_t[layer], prefix.own_values[layer]
+    own_keys_t[..., t * k : (t + 1) * k] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k)
+    own_values[:, :, t * k : (t + 1) * k] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
+    n = (t + 1) * k
+    grouped = (query * scaling).view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)
+    shared = torch.matmul(grouped, prefix.keys_t[layer])  # (U, H_kv, k·g, L_p)
+    if prefix.bias is not None:
+        shared.add_(prefix.bias)
+    own = torch.matmul(grouped, own_keys_t[..., :n]).add_(prefix.own_bias[:, :n])  # (U, H_kv, k·g, n·k)
+    probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)  # (U, H_kv, k·g, L_p + n·k)
+    out = torch.matmul(probs[..., :Lp], prefix.values[layer]) + torch.matmul(probs[..., Lp:], own_values[:, :, :n])
+    return out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)  # (B, H_kv, g, D)
+
+
 def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, cache, prefix: SharedPrefix | None = None) -> torch.Tensor:
     """Logits ``(B, 1, V)`` for one new token per row, appending its keys and values to ``cache``.
@@ -323,6 +377,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         padding = None
         if attention_mask is not None and not bool(attention_mask.all()):
             padding = (attention_mask == 0)[:, None, None, :]  # (B, 1, 1, L + 1): columns no query may read
+        grouped = prefix is not None and prefix.grouped_step(past, padding)
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
@@ -334,6 +389,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             query = qk[:, :H].reshape(B, H_kv, g, D).float()  # (B, H_kv, g, D): a KV head's query heads together
             if prefix is None:
                 attended = grouped_one_query(query, keys, values, scaling, padding)  # (B, H_kv, g, D)
+            elif grouped:
+                attended = _attend_grouped(query, key, value, scaling, prefix, i)
             else:
                 attended = _attend_shared(query, keys, values, padding, scaling, prefix, i)
             attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
@@ -342,6 +399,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             gate_up = w.gate_up(x)  # (B, 2·I)
             inter = gate_up.shape[-1] // 2
             h = h + w.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])  # (B, C)
+        if grouped:
+            prefix.own_steps += 1
         x = _rms_norm(h, weights.norm, weights.norm_eps).to(dtype)
         return weights.head(x).unsqueeze(1)  # (B, 1, V)
 
@@ -362,11 +421,15 @@ class FusedDecoder:
         self.weights: FusedWeights | None = None
         #: Pack the weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors.
         self.pack = pack
+        #: With a shared prefix, also read the rows' own columns per group (:func:`_attend_grouped`).
+        self.group_own_columns = True
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``), else None.
         self.prefix: SharedPrefix | None = None
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0
         self.shared_prefix_steps = 0
+        #: Of the shared-prefix steps, those that also read the rows' own columns per group (:func:`_attend_grouped`).
+        self.grouped_steps = 0
         self.plain_calls = 0
 
     def prefix_for(self, batch: int, past: int) -> SharedPrefix | None:
@@ -419,9 +482,11 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
         if weights is None or weights.dtype != dtype:
             weights = decoder.weights_for(model, dtype)
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
+        kept = prefix.own_steps if prefix is not None else None
         logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix)
         decoder.fused_steps += 1
         decoder.shared_prefix_steps += prefix is not None
+        decoder.grouped_steps += kept is not None and prefix.own_steps == kept + 1
         return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
 
     model.forward = forward

@@ -12,7 +12,8 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend_shared, fused_decode_for, unsupported_reason
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, fused_decode_for, \
+    unsupported_reason
 from ragen.models.growing_cache import make_growing
 from ragen.models.packed_linear import packing_available
 
@@ -306,8 +307,49 @@ def test_backend_reads_shared_prompts_once_per_group_and_samples_the_same_tokens
     plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
     got = shared.generate(prompts, params)
     assert shared.fused.shared_prefix_steps == shared.fused.fused_steps > 0 and shared.fused.prefix is None
+    assert shared.fused.grouped_steps == shared.fused.fused_steps  # own columns read per group too
     assert [g.token_ids for g in got] == [g.token_ids for g in plain.generate(prompts, params)]
     mixed = [a, b, a, b]  # not in consecutive groups: each row attends over its own cache
     fused_before = shared.fused.shared_prefix_steps
     assert [g.token_ids for g in shared.generate(mixed, params)] == [g.token_ids for g in plain.generate(mixed, params)]
     assert shared.fused.shared_prefix_steps == fused_before
+
+
+@pytest.mark.parametrize("group,padded", [(4, True), (2, False), (1, True)])
+def test_grouped_own_columns_step_by_step_equal_attention_over_each_rows_cache(group, padded):
+    g = torch.Generator().manual_seed(10 + group)
+    U, H_kv, q_heads, D, Lp, steps = 3, 2, 3, 8, 11, 4
+    B = U * group
+    prefix_k, prefix_v = torch.randn(U, H_kv, Lp, D, generator=g), torch.randn(U, H_kv, Lp, D, generator=g)
+    rows = torch.arange(B) // group
+    mask = torch.ones(B, Lp, dtype=torch.bool)
+    if padded:
+        for u, pad in enumerate((0, 4, 7)):
+            mask[rows == u, :pad] = False
+    prefix = SharedPrefix.from_layers([_Layer(prefix_k, prefix_v.bfloat16())], group, padding=~mask[::group], capacity=steps)
+    keys, values = prefix_k[rows], prefix_v[rows].bfloat16().float()  # each row's cache: (B, H_kv, L, D)
+    for step in range(steps):
+        key = torch.randn(B, H_kv, 1, D, generator=g)
+        value = torch.randn(B, H_kv, 1, D, generator=g).bfloat16()
+        keys, values = torch.cat([keys, key], 2), torch.cat([values, value.float()], 2)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool)], 1)
+        padding = (~mask)[:, None, None, :] if padded else None
+        assert prefix.grouped_step(Lp + step, padding)
+        query = torch.randn(B, H_kv, q_heads, D, generator=g)
+        out = _attend_grouped(query, key, value, 0.3, prefix, 0)
+        prefix.own_steps += 1
+        torch.testing.assert_close(out, grouped_one_query(query, keys, values, 0.3, padding), rtol=1e-5, atol=1e-6)
+    assert not prefix.grouped_step(Lp + steps, None) and prefix.own_steps is None  # no room left: per-row from now on
+
+
+def test_grouped_steps_stop_when_a_step_went_elsewhere_or_an_own_column_is_padding():
+    k = torch.randn(2, 1, 5, 4)
+    prefix = SharedPrefix.from_layers([_Layer(k, k.bfloat16())], 2, padding=None, capacity=8)
+    assert prefix.grouped_step(5, None)  # the first step after the prefix
+    assert not prefix.grouped_step(7, None)  # a step was not kept (it ran elsewhere): the copies are incomplete
+    assert not prefix.grouped_step(5, None)  # ... and stay unused for the rest of the call
+    prefix = SharedPrefix.from_layers([_Layer(k, k.bfloat16())], 2, padding=None, capacity=8)
+    padding = torch.zeros(4, 1, 1, 6, dtype=torch.bool)
+    padding[1, ..., 5] = True  # an own column masked out
+    assert not prefix.grouped_step(5, padding)
+    assert not SharedPrefix.from_layers([_Layer(k, k.bfloat16())], 2, padding=None).grouped_step(5, None)  # no capacity
