@@ -111,6 +111,11 @@ class HFBackend:
     same quantity with an fp32 softmax; prefill and training keep ``sdpa``). All three follow
     ``rollout.fast_decode``.
 
+    ``fused_decode=True`` takes Llama-family decode steps through :mod:`ragen.models.fused_decode`;
+    ``common_prefix=True`` prefills the distinct prompts' common first tokens once (:meth:`_common_prefill`);
+    ``decode_loop=True`` samples with :func:`ragen.models.decode_loop.decode` instead of ``generate`` where it
+    may (greedy or the inverse-CDF sampler, Llama-family models). All follow ``rollout.fast_decode``.
+
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
     (:mod:`ragen.models.cast_cache`; the same casts, made fewer times: always on).

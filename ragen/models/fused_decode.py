@@ -9,13 +9,13 @@ computes the same step with far fewer calls:
 - the query, key and value projections as one GEMM on a concatenated ``[W_q; W_k; W_v]`` and the MLP's
   gate and up projections as one on ``[W_gate; W_up]`` (each output column is the same dot product
   as in the separate projection);
-- each weight cast once to the autocast dtype (bf16) and kept for the whole rollout session instead of
-  looked up in autocast's cache at every call;
-- GEMMs of up to :data:`~ragen.models.transposed_gemm.MAX_ROWS` rows in the ``(W @ hᵀ)ᵀ`` layout,
-  which this CPU's BLAS runs faster for few rows (bf16 at 32 rows: 1.2-1.4× per projection);
+- each weight cast once to the autocast dtype (bf16) and packed for oneDNN
+  (:mod:`ragen.models.packed_linear`), kept for the whole rollout session instead of looked up in
+  autocast's cache at every call and repacked by the BLAS at every GEMM (measured with the packing cost:
+  1.03-1.06x per ``generate`` call of 16-32 tokens at batch 32, ``docs/performance.md``);
 - the query and key heads rotated together, attention for one query per row as two fp32 matmuls per
   KV head group (as :mod:`ragen.models.decode_attention`), with a key-padding mask when rows are
-  left-padded.
+  left-padded; with a :class:`SharedPrefix`, per group of rows sharing a prompt.
 
 The arithmetic is the model's own, in the same dtypes as transformers' path under ``generate``'s
 autocast: an fp32 residual stream, RMS norms in fp32, projections in the autocast dtype (bf16; else
@@ -23,7 +23,7 @@ the weights' dtype), rotary embedding from the model's own ``rotary_emb`` module
 in the projection's dtype, as transformers caches them). Attention is fp32 matmuls and an fp32 softmax,
 as :mod:`ragen.models.decode_attention` computes unmasked calls; for masked calls (left padding)
 transformers' ``sdpa`` runs in bf16 under autocast, so there the fused step is the more precise of
-the two. Results equal transformers' up to float rounding (the transposed GEMM layout may sum in
+the two. Results equal transformers' up to float rounding (oneDNN's packed GEMMs may sum in
 another order), which the tests bound (``tests/models/test_fused_decode.py``: fp32 within 1e-5;
 bf16 no further from an fp32 reference than transformers' bf16 path). Measured in
 ``docs/performance.md`` ("Fused decode step").
