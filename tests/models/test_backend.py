@@ -69,7 +69,8 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
 
 def templated_prompts(tokenizer, grouped: bool = True):
     """Distinct prompts from one template: a long common prefix, then differing states of different lengths."""
-    head = "System: you play a game. Rules: move the box onto the target; answer with one action. State:"
+    head = ("System: you play a game. Rules: move the box onto the target; answer with one action. "
+            "Walls block you; boxes move only when pushed. Every move costs a little; a solved level pays. State:")
     ids = [tokenizer(head + s)["input_ids"] for s in [" box left", " the box is far to the right of you", " wall"]]
     rows = [ids[0]] * 2 + [ids[1]] * 2 + [ids[2]] * 2
     return rows if grouped else rows[::2] + rows[1::2]
@@ -82,7 +83,7 @@ def test_common_prefix_prefill_gives_the_same_tokens_with_less_prefill(do_sample
     prompts = templated_prompts(tokenizer, grouped)
     distinct = list(dict.fromkeys(map(tuple, prompts)))
     common = len(__import__("os").path.commonprefix(distinct))
-    assert common >= HFBackend.min_common_prefix
+    assert common >= HFBackend.min_common_prefix and common * (len(distinct) - 1) >= HFBackend.min_common_saved
     params = SamplingParams(max_new_tokens=8, temperature=1.0, do_sample=do_sample)
     runs = {}
     for on in (True, False):
@@ -114,3 +115,7 @@ def test_common_prefix_feeds_the_fused_steps_shared_prefix_and_skips_unrelated_p
     assert backend._common_prefill(prompts_with_groups(tokenizer)) is None  # nothing in common: left-padded prefill
     short = [tokenizer("System: a")["input_ids"], tokenizer("System: b")["input_ids"]]
     assert backend._common_prefill(short) is None  # too few common tokens to be worth a pass
+    two = templated_prompts(tokenizer)[:3:2]  # two prompts: their common tokens once saves too little
+    common = len(__import__("os").path.commonprefix([tuple(p) for p in two]))
+    assert common >= HFBackend.min_common_prefix and common < HFBackend.min_common_saved
+    assert backend._common_prefill(two) is None
