@@ -210,7 +210,8 @@ def generate_section(torch, model, tokenizer, args) -> None:
     from ragen.models.backend import HFBackend, SamplingParams
 
     n_params = sum(p.numel() for p in model.parameters())
-    # both arms decode through transformers' modules (the fused step has its own section)
+    # both arms decode through transformers' modules (the fused step has its own section); ragen's decode loop and
+    # common-prefix prefill (on by default) run in both
     arms = {"levers off": dict(transposed_gemm=False, grow_cache=False, fused_decode=False),
             "levers on": dict(transposed_gemm=True, grow_cache=True, fused_decode=False)}
     # every row writes exactly new_tokens
