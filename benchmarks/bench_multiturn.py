@@ -58,6 +58,14 @@ def run_arm(reuse_kv: bool, args, max_gb: float | None = None) -> dict:
         ])
         trainer = StarPOTrainer(config)
         stats = trainer.backend.stats
+        # common-prefix tokens saved by turn 1's call (no history there): the later turns' savings are history not re-run
+        first_call, real_generate = [], trainer.backend.generate
+        def generate(*a, **k):
+            out = real_generate(*a, **k)
+            if not first_call:
+                first_call.append(stats.common_saved_tokens)
+            return out
+        trainer.backend.generate = generate
         start = time.perf_counter()
         trajectories = trainer.rollout(1)
         rollout_s = time.perf_counter() - start
@@ -67,8 +75,9 @@ def run_arm(reuse_kv: bool, args, max_gb: float | None = None) -> dict:
         gc.collect()
     generated = sum(t.response_length for t in trajectories)
     history = history_tokens(trajectories)
-    # Of the prompt tokens prefilled this rollout, those already seen by the episode's earlier turns:
-    history_prefilled = history - stats.reused_tokens
+    # Of the prompt tokens prefilled this rollout, those already seen by the episode's earlier turns: neither read from
+    # a kept cache nor, in turns 2+, run once for the whole call as the prompts' common prefix (HFBackend._common_prefill)
+    history_prefilled = history - stats.reused_tokens - (stats.common_saved_tokens - (first_call[0] if first_call else 0))
     return {
         "arm": (f"kept KV caches, {budget:g} GB budget" if reuse_kv else "re-encode history"),
         "kept_peak_mb": kept.peak_nbytes / 2**20 if kept is not None else 0.0,

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
-from ragen.models.decode_loop import DecodeOutput, decode
+from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
 from ragen.models.growing_cache import GrowingLayer, make_growing
@@ -74,17 +74,21 @@ def autocast(precision: str, device_type: str = "cpu"):
 class PrefillStats:
     """Where a backend's prompt tokens went: prefilled (``prefill_s`` seconds) or read from a kept cache."""
 
-    #: Prompt tokens run through the model before sampling (the KV cache ``generate`` starts from).
+    #: Prompt tokens run through the model before sampling (the KV cache decoding starts from), plus each row's last
+    #: prompt token, which the first decode step feeds.
     prefilled_tokens: int = 0
     #: Prompt tokens whose keys and values came from the previous turn's cache instead.
     reused_tokens: int = 0
+    #: Prompt tokens not run because :meth:`HFBackend._common_prefill` ran the distinct prompts' common prefix once
+    #: (``c·(U−1)`` per call): the left-padded prefill would have run them. Not in ``prefilled_tokens``.
+    common_saved_tokens: int = 0
     prefill_s: float = 0.0
-    #: Time inside ``generate`` itself (decoding), prefill excluded.
+    #: Time decoding (``generate`` or :func:`~ragen.models.decode_loop.decode`), prefill excluded.
     decode_s: float = 0.0
 
 
 class HFBackend:
-    """Batched sampling with ``transformers``' ``generate`` on left-padded prompts.
+    """Batched sampling with ``transformers``' ``generate`` (or ragen's own loop, below) on left-padded prompts.
 
     ``reuse_kv=True`` keeps each row's KV cache between calls made inside one
     :meth:`session` with ``keep_kv`` (one ``Rollout.run``): a prompt that extends an earlier
@@ -140,6 +144,7 @@ class HFBackend:
         self.decode_attention = decode_attention
         self.fused_decode = fused_decode
         self.common_prefix = common_prefix
+        self._plain_layers: bool | None = None
         self.decode_loop = decode_loop
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
         self._in_session = False
@@ -254,7 +259,8 @@ class HFBackend:
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
-                if self.decode_loop and cache is not None and sampler is not False and decoder_stack(self.model) is not None:
+                if (self.decode_loop and cache is not None and sampler is not False and decoder_stack(self.model) is not None
+                        and unsupported_setting(self.model.generation_config) is None):
                     out = decode(self.model, input_ids, attention_mask, cache, max_new_tokens=params.max_new_tokens,
                                  eos_ids=sorted(self.eos_ids), pad_id=self.pad_id, sampler=sampler,
                                  stop_strings=params.stop, tokenizer=self.tokenizer, min_new_tokens=params.min_new_tokens)
@@ -408,11 +414,13 @@ class HFBackend:
         common = min(len(os.path.commonprefix(distinct)), min(map(len, distinct)) - 1)  # the last token stays for generate
         if len(distinct) < 2 or common < self.min_common_prefix or common * (len(distinct) - 1) < self.min_common_saved:
             return None
+        if not self._plain_cache_layers():
+            return None  # sliding-window, quantised, ... caches: the left-padded prefill handles them
         ids = torch.tensor([distinct[0][:common]], device=self.device)  # (1, c)
         shared = self._prompt_pass(input_ids=ids, attention_mask=torch.ones_like(ids),
                                    position_ids=torch.arange(common, device=self.device)[None])
         if not getattr(shared, "layers", None) or any(type(layer) is not DynamicLayer for layer in shared.layers):
-            return None  # sliding-window, quantised, ... caches: the left-padded prefill handles them
+            raise RuntimeError(f"_common_prefill: the prefix pass returned cache layers {[type(x) for x in shared.layers]}")
         entry = CachedPrefix(token_ids=distinct[0][:common], keys=[layer.keys[0] for layer in shared.layers],
                              values=[layer.values[0] for layer in shared.layers])  # (heads, c, head_dim) per layer
         stats = (self.stats.reused_tokens, self.stats.prefilled_tokens)
@@ -421,6 +429,7 @@ class HFBackend:
         # counted here: the common tokens ran once, each distinct prompt's rest once, each row's last token
         self.stats.reused_tokens, self.stats.prefilled_tokens = stats
         self.stats.prefilled_tokens += common + sum(len(p) - 1 - common for p in distinct) + len(prompts)
+        self.stats.common_saved_tokens += common * (len(distinct) - 1)
         index = {p: u for u, p in enumerate(distinct)}
         row_prompt = [index[tuple(p)] for p in prompts]
         if len(distinct) < len(prompts):
@@ -428,9 +437,18 @@ class HFBackend:
             if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
                 self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=attention_mask[:, :-1] == 0,
                                                               capacity=self._own_capacity(room))
+        if row_prompt == list(range(len(distinct))):
+            return input_ids, attention_mask, cache  # every row its own prompt, in order: nothing to copy
         rows = torch.tensor(row_prompt, device=input_ids.device)
         cache.reorder_cache(rows)  # (U, ...) -> (B, ...)
         return input_ids[rows], attention_mask[rows], cache
+
+    def _plain_cache_layers(self) -> bool:
+        """Whether the model's KV cache is made of plain ``DynamicLayer``s (asked once per backend)."""
+        if self._plain_layers is None:
+            layers = getattr(DynamicCache(config=self.model.config), "layers", None)
+            self._plain_layers = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        return self._plain_layers
 
     def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
         """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn, as far

@@ -18,8 +18,10 @@ What is kept exactly as ``generate`` does it (``_sample`` in transformers 5):
 - the sampler sees the ids so far (for ``min_new_tokens``) and the fp32 logits, and draws one uniform per
   row per step, so a seeded call samples the tokens ``generate`` samples (``tests/models/test_decode_loop.py``).
 
-Only greedy decoding and :class:`~ragen.models.sampling.InverseCDFSampler` are taken here; ``HFBackend``
-hands every other request (``torch.multinomial`` sampling, processors of its own) to ``generate``.
+Only greedy decoding and :class:`~ragen.models.sampling.InverseCDFSampler` are taken here, and only when the
+model's own ``generation_config`` asks for nothing more (:func:`unsupported_setting`: no repetition penalty, banned
+words, beam search, ...); ``HFBackend`` hands every other request (``torch.multinomial`` sampling, such settings)
+to ``generate``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,31 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ragen.models.cache_names import with_cache
 from ragen.models.sampling import InverseCDFSampler
+
+
+#: ``generation_config`` fields with which ``generate`` would do more than this loop does (logits processors such as a
+#: repetition penalty, other search modes), each with the values that change nothing.
+NEUTRAL_SETTINGS = {
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0),
+    "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False), "guidance_scale": (None, 1, 1.0),
+    "watermarking_config": (None,), "remove_invalid_values": (None, False), "num_beams": (None, 1),
+    "num_beam_groups": (None, 1), "diversity_penalty": (None, 0, 0.0), "penalty_alpha": (None,),
+    "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,), "token_healing": (None, False),
+    "dola_layers": (None,),
+}
+
+
+def unsupported_setting(generation_config) -> str | None:
+    """The first ``generation_config`` field (the model's defaults, which ``generate`` merges into every call) that
+    would make ``generate`` compute other tokens than :func:`decode`, or None."""
+    for name, neutral in NEUTRAL_SETTINGS.items():
+        value = getattr(generation_config, name, None)
+        if not any(value is v or (v is not None and value == v) for v in neutral):
+            return f"{name}={value!r}"
+    return None
 
 
 @dataclass

@@ -187,9 +187,11 @@ class FusedWeights:
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
-        packed = set(PROJECTIONS) if pack is True else set(pack or ())
+        # pack=True packs bf16 weights, the measured case (fp32 weights stay views of the parameters, no copy)
+        packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else set()) if pack is True else set(pack or ())
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
-        linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed)  # noqa: E731
+        # unpacked, the head stays F.linear: row-major logits, as generate reads them
+        linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed, transposed=name != "head")  # noqa: E731
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
@@ -245,7 +247,8 @@ class SharedPrefix:
     score GEMM reads fastest); ``values[i]`` is ``(U, H_kv, length, D)``; ``padding`` is ``(U, length)``
     (True = a padding column) or None, and ``bias`` the same as an additive ``(U, 1, 1, length)`` mask
     (-inf at padding, else 0). :func:`decode_step` then reads each prompt's keys and values once per
-    group instead of once per row (``HFBackend._shared_prefill`` records it).
+    group instead of once per row (``HFBackend._shared_prefill`` and ``_common_prefill`` record it). With
+    ``capacity`` > 0 (the backend's growing caches are on) the rows' own columns are read per group too.
     """
 
     group: int
@@ -258,8 +261,9 @@ class SharedPrefix:
     capacity: int = 0
     #: Steps kept so far; None once a step went another way (the copies are then incomplete: not used again).
     own_steps: int | None = 0
-    own_keys_t: list[torch.Tensor] | None = None  # per layer (U, H_kv, D, capacity·k): column t·k + j = row j's step t
-    own_values: list[torch.Tensor] | None = None  # per layer (U, H_kv, capacity·k, D)
+    #: Per layer (U, H_kv, D, s·k): column t·k + j = row j's step t, for s ≤ capacity steps (grown by OWN_CHUNK).
+    own_keys_t: list[torch.Tensor | None] | None = None
+    own_values: list[torch.Tensor | None] | None = None  # per layer (U, H_kv, s·k, D)
     own_bias: torch.Tensor | None = None  # (k·g, capacity·k): 0 where query row j·g + h may read column t·k + j
 
     @classmethod
@@ -317,6 +321,10 @@ def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out + torch.matmul(probs[..., Lp:], values[:, :, Lp:].float())  # (B, H_kv, g, D)
 
 
+#: Decode steps the group-layout own-column buffers of :func:`_attend_grouped` grow by.
+OWN_CHUNK = 32
+
+
 def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prefix: SharedPrefix,
                     layer: int) -> torch.Tensor:
     """:func:`_attend_shared` with the rows' own columns also read per group: one softmax per group and KV head.
@@ -331,14 +339,21 @@ def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     B, H_kv, g, D = query.shape
     k, Lp, t = prefix.group, prefix.length, prefix.own_steps
     U = B // k
-    if prefix.own_keys_t is None:  # the first grouped step: allocate every layer's buffers
-        n_layers, width = len(prefix.keys_t), prefix.capacity * k
-        prefix.own_keys_t = [query.new_empty(U, H_kv, D, width) for _ in range(n_layers)]
-        prefix.own_values = [query.new_empty(U, H_kv, width, value.shape[-1]) for _ in range(n_layers)]
+    if prefix.own_bias is None:  # the call's first grouped step
         row = torch.arange(k, device=query.device).repeat_interleave(g)  # query row j·g + h -> j
         column = torch.arange(k, device=query.device).repeat(prefix.capacity)  # column t·k + j -> j
-        prefix.own_bias = query.new_zeros(k * g, width).masked_fill_(row[:, None] != column[None, :], float("-inf"))
+        prefix.own_bias = query.new_zeros(k * g, prefix.capacity * k).masked_fill_(row[:, None] != column[None, :],
+                                                                                   float("-inf"))
+        prefix.own_keys_t, prefix.own_values = [None] * len(prefix.keys_t), [None] * len(prefix.keys_t)
     own_keys_t, own_values = prefix.own_keys_t[layer], prefix.own_values[layer]
+    if own_keys_t is None or own_keys_t.shape[-1] < (t + 1) * k:
+        # grown in chunks of up to OWN_CHUNK steps (not sized for max_new_tokens up front: rows may stop early)
+        steps = min(prefix.capacity, t + OWN_CHUNK)
+        grown_k, grown_v = query.new_empty(U, H_kv, D, steps * k), query.new_empty(U, H_kv, steps * k, value.shape[-1])
+        if t:
+            grown_k[..., : t * k] = own_keys_t[..., : t * k]
+            grown_v[:, :, : t * k] = own_values[:, :, : t * k]
+        prefix.own_keys_t[layer], prefix.own_values[layer] = own_keys_t, own_values = grown_k, grown_v
     own_keys_t[..., t * k : (t + 1) * k] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k)
     own_values[:, :, t * k : (t + 1) * k] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
     n = (t + 1) * k
@@ -419,11 +434,12 @@ class FusedDecoder:
 
     def __init__(self, pack: bool = True):
         self.weights: FusedWeights | None = None
-        #: Pack the weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors.
+        #: Pack bf16 weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors; a set of
+        #: :data:`PROJECTIONS` packs those (in any dtype).
         self.pack = pack
         #: With a shared prefix, also read the rows' own columns per group (:func:`_attend_grouped`).
         self.group_own_columns = True
-        #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``), else None.
+        #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``/``_common_prefill``).
         self.prefix: SharedPrefix | None = None
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0

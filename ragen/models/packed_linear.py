@@ -53,11 +53,12 @@ class PackedLinear:
     ``weight`` ``(out, in)`` and ``bias`` ``(out,)`` should already be in the compute dtype; ``x`` must be in it too.
     Without oneDNN for that dtype (or ``pack=False``) the weight stays as given and calls run
     :func:`~ragen.models.transposed_gemm.transposed_linear` (up to :data:`~ragen.models.transposed_gemm.MAX_ROWS`
-    rows) or ``F.linear``.
+    rows, unless ``transposed=False``; its result is a transposed view) or ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, transposed: bool = True):
         weight = weight.detach()
+        self.transposed = transposed
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach() if bias is not None else None
         self.packed = pack and weight.device.type == "cpu" and packing_available(weight.dtype)
@@ -72,6 +73,6 @@ class PackedLinear:
             flat = x.reshape(-1, self.in_features)  # (M, in)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")  # (M, out) row-major
             return out.view(*x.shape[:-1], self.out_features)
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        if self.transposed and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
             return transposed_linear(x, self.weight, self.bias, row_major=False)  # (M, out), strides (1, M)
         return F.linear(x, self.weight, self.bias)

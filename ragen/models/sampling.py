@@ -1,4 +1,5 @@
-"""Next-token sampling by inverse transform, run inside ``generate`` as a logits processor.
+"""Next-token sampling by inverse transform, run inside ``generate`` as a logits processor (or called directly by
+:mod:`ragen.models.decode_loop` through :meth:`InverseCDFSampler.draw`).
 
 ``generate(do_sample=True)`` draws each token with ``torch.multinomial``, which on the CPU
 builds one exponential variate per vocabulary entry: for a 49k vocabulary that is ~16 ms per

@@ -94,6 +94,7 @@ def test_common_prefix_prefill_gives_the_same_tokens_with_less_prefill(do_sample
         try:
             torch.manual_seed(0)
             runs[on] = backend.generate(prompts, params), backend.stats.prefilled_tokens, seen
+            assert backend.stats.common_saved_tokens == (common * (len(distinct) - 1) if on else 0)
         finally:
             handle.remove()
     (shared, shared_tokens, shared_calls), (plain, plain_tokens, plain_calls) = runs[True], runs[False]

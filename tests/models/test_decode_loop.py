@@ -19,8 +19,8 @@ def prompts(tokenizer):
     return [ids[0]] * 2 + [ids[1]] * 2 + [ids[2]] * 2
 
 
-def both(tiny, params, monkeypatch, eos=None, **backend_kwargs):
-    """Generations with the decode loop and with ``generate``, from the same seed; asserts the loop really ran."""
+def both(tiny, params, monkeypatch, eos=None, expect_loop=True, **backend_kwargs):
+    """Generations with the decode loop on and off, from the same seed; asserts whether the loop really ran."""
     model, tokenizer = tiny
     calls = []
     real = decode_loop.decode
@@ -32,7 +32,7 @@ def both(tiny, params, monkeypatch, eos=None, **backend_kwargs):
             backend.eos_ids = set(eos)
         torch.manual_seed(0)
         out[on] = backend.generate(prompts(tokenizer), params)
-        assert bool(calls) == on
+        assert bool(calls) == (on and expect_loop)
         calls.clear()
     return out[True], out[False]
 
@@ -117,3 +117,17 @@ def test_every_row_stopped_by_a_stop_string_ends_the_loop_early(tiny, monkeypatc
     reasons = {g.finish_reason for g in gens}  # (the tiny model samples EOS second in some rows)
     assert "stop" in reasons and reasons <= {"stop", "eos"} and all(len(g.token_ids) <= 2 for g in gens)
     assert len(steps) == 1 and steps[0] <= max(map(len, prompts(tokenizer))) + 2  # stopped, not run to twelve
+
+
+@pytest.mark.parametrize("setting", [dict(repetition_penalty=3.0), dict(no_repeat_ngram_size=2),
+                                     dict(suppress_tokens=[5, 6, 7])])
+def test_generation_config_settings_the_loop_lacks_go_to_generate(monkeypatch, setting):
+    """A model whose own generation_config asks for a logits processor keeps generate's tokens (the loop is skipped)."""
+    model, tokenizer = load_model("tiny")
+    for k, v in setting.items():
+        setattr(model.generation_config, k, v)
+    assert decode_loop.unsupported_setting(model.generation_config) is not None
+    params = SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.0)
+    loop, plain = both((model, tokenizer), params, monkeypatch, expect_loop=False)
+    assert [g.token_ids for g in loop] == [g.token_ids for g in plain]
+    assert decode_loop.unsupported_setting(load_model("tiny")[0].generation_config) is None  # the default: the loop runs

@@ -12,8 +12,9 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, fused_decode_for, \
-    unsupported_reason
+from ragen.models.fused_decode import PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
+    fused_decode_for, unsupported_reason
+from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
 from ragen.models.packed_linear import packing_available
 
@@ -81,7 +82,11 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     out = decode_both(model, ids, mask, grow=grow, pack=pack)
     (plain, plain_cache, _), (fused, fused_cache, decoder) = out["plain"], out["fused"]
     assert decoder.fused_steps == 3 and decoder.plain_calls == 0
-    assert decoder.weights.head.packed == (pack and packing_available(torch.float32))
+    assert not decoder.weights.head.packed  # fp32: views of the parameters, packed only on request
+    if pack:  # an explicit set packs fp32 too: the same logits
+        packed = decode_both(model, ids, mask, grow=grow, pack=frozenset(PROJECTIONS))["fused"]
+        assert packed[2].weights.head.packed == packing_available(torch.float32)
+        torch.testing.assert_close(packed[0], plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
         torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
@@ -318,7 +323,7 @@ def test_backend_reads_shared_prompts_once_per_group_and_samples_the_same_tokens
 @pytest.mark.parametrize("group,padded", [(4, True), (2, False), (1, True)])
 def test_grouped_own_columns_step_by_step_equal_attention_over_each_rows_cache(group, padded):
     g = torch.Generator().manual_seed(10 + group)
-    U, H_kv, q_heads, D, Lp, steps = 3, 2, 3, 8, 11, 4
+    U, H_kv, q_heads, D, Lp, steps = 3, 2, 3, 8, 11, 4 + OWN_CHUNK  # past one chunk: the buffers grow once
     B = U * group
     prefix_k, prefix_v = torch.randn(U, H_kv, Lp, D, generator=g), torch.randn(U, H_kv, Lp, D, generator=g)
     rows = torch.arange(B) // group
