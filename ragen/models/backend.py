@@ -323,17 +323,24 @@ class HFBackend:
         if room is not None:
             make_growing(cache, input_ids.shape[1] + room)
         if len(distinct) < len(prompts):
-            group = len(prompts) // len(distinct)
-            if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
-                # rows in equal consecutive groups: the fused decode step reads each prompt's columns once per group
-                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=mask == 0, capacity=self._own_capacity(room))
+            if share:
+                self._record_shared_prefix(cache, row_prompt, len(distinct), padding=mask == 0, room=room)
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
         self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
         return cache
 
-    def _own_capacity(self, room: int | None) -> int:
-        """Decode steps a shared prefix keeps the rows' own columns for, per group (0 when the decoder does not)."""
-        return (room or 0) if self.fused.group_own_columns else 0
+    def _record_shared_prefix(self, cache, row_prompt: list[int], distinct: int, padding: torch.Tensor,
+                              room: int | None) -> None:
+        """Keep the ``distinct`` prompts' prefilled columns once each for this call's fused decode steps, if rows
+        ``row_prompt`` come in equal consecutive groups (:class:`~ragen.models.fused_decode.SharedPrefix`).
+
+        ``cache`` holds one row per distinct prompt (before the row copy); ``padding`` ``(U, L)`` marks its padding
+        columns; with ``room`` (growing caches) the rows' own columns are read per group too, for that many steps.
+        """
+        group = len(row_prompt) // distinct
+        if row_prompt == [u for u in range(distinct) for _ in range(group)]:
+            capacity = (room or 0) if self.fused.group_own_columns else 0
+            self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=capacity)
 
     def _prompt_pass(self, **inputs):
         """Run prompt tokens through the model for their keys and values only; returns the KV cache.
@@ -347,7 +354,8 @@ class HFBackend:
             return output_cache(self.model(**inputs, use_cache=True, logits_to_keep=1))
         return output_cache(decoder(**inputs, use_cache=True))
 
-    def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None], room: int | None = None):
+    def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None], room: int | None = None,
+                        count: bool = True):
         """Left-padded ids, mask and a KV cache for ``prompts`` where row ``i`` starts with ``kept[i]``.
 
         Columns ``[0, C)`` hold each row's kept prefix (``c_i`` tokens, right-aligned, from the
@@ -389,8 +397,9 @@ class HFBackend:
             positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
             self._prompt_pass(input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
                               position_ids=positions[:, C : C + S], **with_cache(cache))
-        self.stats.reused_tokens += sum(reused)
-        self.stats.prefilled_tokens += sum(rest) + n
+        if count:  # (False: the caller counts, as _common_prefill, whose "kept" prefix is no earlier turn's)
+            self.stats.reused_tokens += sum(reused)
+            self.stats.prefilled_tokens += sum(rest) + n
         return input_ids, attention_mask, cache
 
     def _common_prefill(self, prompts: list[list[int]], room: int | None = None, share: bool = False):
@@ -419,24 +428,18 @@ class HFBackend:
         ids = torch.tensor([distinct[0][:common]], device=self.device)  # (1, c)
         shared = self._prompt_pass(input_ids=ids, attention_mask=torch.ones_like(ids),
                                    position_ids=torch.arange(common, device=self.device)[None])
-        if not getattr(shared, "layers", None) or any(type(layer) is not DynamicLayer for layer in shared.layers):
-            raise RuntimeError(f"_common_prefill: the prefix pass returned cache layers {[type(x) for x in shared.layers]}")
         entry = CachedPrefix(token_ids=distinct[0][:common], keys=[layer.keys[0] for layer in shared.layers],
                              values=[layer.values[0] for layer in shared.layers])  # (heads, c, head_dim) per layer
-        stats = (self.stats.reused_tokens, self.stats.prefilled_tokens)
-        input_ids, attention_mask, cache = self._resume_prefill([list(p) for p in distinct], [entry] * len(distinct), room)
+        input_ids, attention_mask, cache = self._resume_prefill([list(p) for p in distinct], [entry] * len(distinct), room,
+                                                                count=False)
         del entry, shared
-        # counted here: the common tokens ran once, each distinct prompt's rest once, each row's last token
-        self.stats.reused_tokens, self.stats.prefilled_tokens = stats
+        # the common tokens ran once, each distinct prompt's rest once, each row's last token
         self.stats.prefilled_tokens += common + sum(len(p) - 1 - common for p in distinct) + len(prompts)
         self.stats.common_saved_tokens += common * (len(distinct) - 1)
         index = {p: u for u, p in enumerate(distinct)}
         row_prompt = [index[tuple(p)] for p in prompts]
-        if len(distinct) < len(prompts):
-            group = len(prompts) // len(distinct)
-            if share and row_prompt == [u for u in range(len(distinct)) for _ in range(group)]:
-                self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=attention_mask[:, :-1] == 0,
-                                                              capacity=self._own_capacity(room))
+        if share and len(distinct) < len(prompts):
+            self._record_shared_prefix(cache, row_prompt, len(distinct), padding=attention_mask[:, :-1] == 0, room=room)
         if row_prompt == list(range(len(distinct))):
             return input_ids, attention_mask, cache  # every row its own prompt, in order: nothing to copy
         rows = torch.tensor(row_prompt, device=input_ids.device)
