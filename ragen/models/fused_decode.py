@@ -280,6 +280,33 @@ class SharedPrefix:
             padding = None
         return cls(group, keys_t[0].shape[-1], keys_t, values, padding, bias, capacity=capacity)
 
+    def append_own(self, layer: int, key: torch.Tensor, value: torch.Tensor, heads_per_kv: int):
+        """Copy this step's ``key``/``value`` ``(B, H_kv, 1, D)`` into layer ``layer``'s group-layout buffers (step-major:
+        column ``t·k + j`` holds row ``j``'s step ``t``, grown by :data:`OWN_CHUNK` steps, not sized for ``capacity`` up
+        front: rows may stop early) and return the ``n·k`` filled columns: ``(U, H_kv, D, n·k)`` keys,
+        ``(U, H_kv, n·k, D)`` fp32 values and the ``(k·g, n·k)`` bias that keeps each query row to its own row's."""
+        k, t = self.group, self.own_steps
+        U, H_kv, D = key.shape[0] // k, key.shape[1], key.shape[-1]
+        if self.own_bias is None:  # the call's first grouped step
+            row = torch.arange(k, device=key.device).repeat_interleave(heads_per_kv)  # query row j·g + h -> j
+            column = torch.arange(k, device=key.device).repeat(self.capacity)  # column t·k + j -> j
+            self.own_bias = key.new_zeros(k * heads_per_kv, self.capacity * k, dtype=torch.float32).masked_fill_(
+                row[:, None] != column[None, :], float("-inf"))
+            self.own_keys_t, self.own_values = [None] * len(self.keys_t), [None] * len(self.keys_t)
+        keys_t, values = self.own_keys_t[layer], self.own_values[layer]
+        if keys_t is None or keys_t.shape[-1] < (t + 1) * k:
+            steps = min(self.capacity, t + OWN_CHUNK)
+            grown_k = key.new_empty(U, H_kv, D, steps * k, dtype=torch.float32)  # fp32, as the attention computes
+            grown_v = key.new_empty(U, H_kv, steps * k, value.shape[-1], dtype=torch.float32)
+            if t:
+                grown_k[..., : t * k] = keys_t[..., : t * k]
+                grown_v[:, :, : t * k] = values[:, :, : t * k]
+            self.own_keys_t[layer], self.own_values[layer] = keys_t, values = grown_k, grown_v
+        keys_t[..., t * k : (t + 1) * k] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k), to fp32
+        values[:, :, t * k : (t + 1) * k] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
+        n = (t + 1) * k
+        return keys_t[..., :n], values[:, :, :n], self.own_bias[:, :n]
+
     def grouped_step(self, past: int, padding: torch.Tensor | None) -> bool:
         """Whether this decode step (``past`` cached columns before it) can run :func:`_attend_grouped`: every earlier
         step since the prefix did, there is room, and no own column is padding."""
@@ -290,6 +317,18 @@ class SharedPrefix:
             self.own_steps = None
             return False
         return True
+
+
+def _prefix_scores(query: torch.Tensor, prefix: SharedPrefix, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's scaled queries together, ``(B, H_kv, g, D) -> (U, H_kv, k·g, D)``, and their scores against the group's
+    shared prefix, ``(U, H_kv, k·g, L_p)`` (padding columns -inf)."""
+    B, H_kv, g, D = query.shape
+    k = prefix.group
+    grouped = query.view(B // k, k, H_kv, g, D).transpose(1, 2).reshape(B // k, H_kv, k * g, D)
+    shared = torch.matmul(grouped, prefix.keys_t[layer])
+    if prefix.bias is not None:
+        shared.add_(prefix.bias)
+    return grouped, shared
 
 
 def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None,
@@ -306,10 +345,7 @@ def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     k, Lp = prefix.group, prefix.length
     U = B // k
     query = query * scaling
-    grouped = query.view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)  # a group's queries together
-    shared = torch.matmul(grouped, prefix.keys_t[layer])  # (U, H_kv, k·g, L_p)
-    if prefix.bias is not None:
-        shared.add_(prefix.bias)
+    grouped, shared = _prefix_scores(query, prefix, layer)  # (U, H_kv, k·g, D), (U, H_kv, k·g, L_p)
     own = torch.matmul(query, keys[:, :, Lp:].float().transpose(-1, -2))  # (B, H_kv, g, L - L_p)
     if padding is not None:
         own.masked_fill_(padding[..., Lp:], float("-inf"))
@@ -337,33 +373,12 @@ def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     with ~4x fewer, larger batched matrices.
     """
     B, H_kv, g, D = query.shape
-    k, Lp, t = prefix.group, prefix.length, prefix.own_steps
-    U = B // k
-    if prefix.own_bias is None:  # the call's first grouped step
-        row = torch.arange(k, device=query.device).repeat_interleave(g)  # query row j·g + h -> j
-        column = torch.arange(k, device=query.device).repeat(prefix.capacity)  # column t·k + j -> j
-        prefix.own_bias = query.new_zeros(k * g, prefix.capacity * k).masked_fill_(row[:, None] != column[None, :],
-                                                                                   float("-inf"))
-        prefix.own_keys_t, prefix.own_values = [None] * len(prefix.keys_t), [None] * len(prefix.keys_t)
-    own_keys_t, own_values = prefix.own_keys_t[layer], prefix.own_values[layer]
-    if own_keys_t is None or own_keys_t.shape[-1] < (t + 1) * k:
-        # grown in chunks of up to OWN_CHUNK steps (not sized for max_new_tokens up front: rows may stop early)
-        steps = min(prefix.capacity, t + OWN_CHUNK)
-        grown_k, grown_v = query.new_empty(U, H_kv, D, steps * k), query.new_empty(U, H_kv, steps * k, value.shape[-1])
-        if t:
-            grown_k[..., : t * k] = own_keys_t[..., : t * k]
-            grown_v[:, :, : t * k] = own_values[:, :, : t * k]
-        prefix.own_keys_t[layer], prefix.own_values[layer] = own_keys_t, own_values = grown_k, grown_v
-    own_keys_t[..., t * k : (t + 1) * k] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k)
-    own_values[:, :, t * k : (t + 1) * k] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
-    n = (t + 1) * k
-    grouped = (query * scaling).view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)
-    shared = torch.matmul(grouped, prefix.keys_t[layer])  # (U, H_kv, k·g, L_p)
-    if prefix.bias is not None:
-        shared.add_(prefix.bias)
-    own = torch.matmul(grouped, own_keys_t[..., :n]).add_(prefix.own_bias[:, :n])  # (U, H_kv, k·g, n·k)
+    U, k, Lp = B // prefix.group, prefix.group, prefix.length
+    own_keys_t, own_values, own_bias = prefix.append_own(layer, key, value, g)  # (U, H_kv, D, n·k), (.., n·k, D)
+    grouped, shared = _prefix_scores(query * scaling, prefix, layer)  # (U, H_kv, k·g, D), (U, H_kv, k·g, L_p)
+    own = torch.matmul(grouped, own_keys_t).add_(own_bias)  # (U, H_kv, k·g, n·k)
     probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)  # (U, H_kv, k·g, L_p + n·k)
-    out = torch.matmul(probs[..., :Lp], prefix.values[layer]) + torch.matmul(probs[..., Lp:], own_values[:, :, :n])
+    out = torch.matmul(probs[..., :Lp], prefix.values[layer]) + torch.matmul(probs[..., Lp:], own_values)
     return out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)  # (B, H_kv, g, D)
 
 
