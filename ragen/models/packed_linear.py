@@ -11,8 +11,8 @@ The products and sums are those of ``F.linear`` in the same dtype: in fp32 and i
 accumulation) the outputs were bitwise equal to ``F.linear``'s at 1 to 700 rows on this machine
 (``tests/models/test_packed_linear.py`` checks agreement to float rounding, since another CPU's
 kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``docs/performance.md``,
-"Prepacked weights"): SmolLM2's projections at 32 rows 1.1-1.3× faster than ``(W @ xᵀ)ᵀ`` and
-1.5-2.0× faster than ``F.linear``; the 49 152 × 576 LM head 1.8× faster than ``F.linear``.
+"Packed weights in the fused step"): SmolLM2's projections at 32 rows 1.1-1.2× faster than ``(W @ xᵀ)ᵀ`` and
+1.4-2.0× faster than ``F.linear``; the 49 152 × 576 LM head 1.8× faster than ``F.linear``.
 
 A packed weight is a copy: it does not follow later changes to the parameter. Owners scope it
 (:class:`~ragen.models.fused_decode.FusedDecoder` keeps it for one rollout session).

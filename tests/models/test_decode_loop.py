@@ -8,11 +8,6 @@ from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models import decode_loop
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
 def prompts(tokenizer):
     texts = ["The arms are Apple and Stuntman.", "Push the box onto the target, now.", "Hi"]
     ids = [tokenizer(t)["input_ids"] for t in texts]
