@@ -55,7 +55,7 @@ from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
 from ragen.models.growing_cache import GrowingLayer
-from ragen.models.packed_linear import PackedLinear
+from ragen.models.packed_linear import PackedLinear, packing_available
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -164,14 +164,42 @@ class _LayerWeights:
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 
 
-def _stacked(tensors, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.cat(tensors).to(dtype)`` in one pass: each part is cast while it is copied into its rows."""
-    out = torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=dtype)
+def _stacked(tensors, dtype: torch.dtype, staging: "Staging | None" = None) -> torch.Tensor:
+    """``torch.cat(tensors).to(dtype)`` in one pass: each part is cast while it is copied into its rows.
+
+    With ``staging`` the result is a view of its buffer (overwritten by the next call: only for a copy that is
+    packed right away); otherwise a new tensor."""
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    out = staging.view(shape, dtype) if staging is not None else torch.empty(shape, dtype=dtype)
     row = 0
     for t in tensors:
         out[row : row + t.shape[0]].copy_(t.detach())
         row += t.shape[0]
     return out
+
+
+class Staging:
+    """One reused buffer for the casts that only feed oneDNN's reorder (:class:`PackedLinear` keeps its packed copy,
+    not its input).
+
+    Every freshly allocated large tensor starts as untouched pages that the kernel faults in one 4 KiB page at a
+    time; a session's casts were ~270 MB of them for SmolLM2-135M, rebuilt for every rollout (the weights change
+    between rollouts). Cast into one buffer the size of the largest packed weight (the LM head: 49 152 × 576 bf16,
+    54 MiB), kept by :class:`FusedDecoder` between sessions, they land on pages that are already mapped
+    (``docs/performance.md``, "Packing through one kept staging buffer").
+    """
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None  # flat, grown to the largest request, never shrunk
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < numel:
+            self.buffer = None  # free the old buffer first
+            self.buffer = torch.empty(numel, dtype=dtype)
+        return self.buffer[:numel].view(shape)
 
 
 class FusedWeights:
@@ -183,13 +211,19 @@ class FusedWeights:
     :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
     """
 
-    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True):
+    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: Staging | None = None):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
         # pack=True packs bf16 weights, the measured case (fp32 weights stay views of the parameters, no copy)
         packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else set()) if pack is True else set(pack or ())
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
+
+        def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
+            if name in packed and parts[0].device.type == "cpu" and packing_available(dtype):  # PackedLinear will pack
+                return _stacked(parts, dtype, staging)
+            return _stacked(parts, dtype) if len(parts) > 1 else cast(parts[0])
+
         # unpacked, the head stays F.linear: row-major logits, as generate reads them
         linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed, transposed=name != "head")  # noqa: E731
         self.layers = []
@@ -197,16 +231,16 @@ class FusedWeights:
             a, m = layer.self_attn, layer.mlp
             biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
             self.layers.append(_LayerWeights(
-                qkv=linear("qkv", _stacked((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype),
+                qkv=linear("qkv", weight("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                            _stacked(biases, dtype) if all(b is not None for b in biases) else None),
-                o=linear("o", cast(a.o_proj.weight), cast(a.o_proj.bias)),
-                gate_up=linear("gate_up", _stacked((m.gate_proj.weight, m.up_proj.weight), dtype)),
-                down=linear("down", cast(m.down_proj.weight)),
+                o=linear("o", weight("o", a.o_proj.weight), cast(a.o_proj.bias)),
+                gate_up=linear("gate_up", weight("gate_up", m.gate_proj.weight, m.up_proj.weight)),
+                down=linear("down", weight("down", m.down_proj.weight)),
                 norm_in=layer.input_layernorm.weight.detach(), norm_post=layer.post_attention_layernorm.weight.detach(),
                 eps_in=layer.input_layernorm.variance_epsilon, eps_post=layer.post_attention_layernorm.variance_epsilon))
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
-        self.head = linear("head", cast(model.lm_head.weight))  # (V, C)
+        self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
 
     @staticmethod
     def _key(model) -> tuple:
@@ -449,6 +483,9 @@ class FusedDecoder:
 
     def __init__(self, pack: bool = True):
         self.weights: FusedWeights | None = None
+        #: The casts that feed the packing go through this one buffer, kept between sessions (:class:`Staging`);
+        #: None casts each weight into a new tensor.
+        self.staging: Staging | None = Staging()
         #: Pack bf16 weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors; a set of
         #: :data:`PROJECTIONS` packs those (in any dtype).
         self.pack = pack
@@ -473,10 +510,11 @@ class FusedDecoder:
     def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
         if self.weights is None or not self.weights.current(model, dtype):
             self.weights = None  # free the old copy before building the new one
-            self.weights = FusedWeights(model, dtype, pack=self.pack)
+            self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging)
         return self.weights
 
     def clear(self) -> None:
+        """Drop the weights (the staging buffer stays: the next session's casts reuse its pages)."""
         self.weights = None
 
 

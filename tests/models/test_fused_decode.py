@@ -156,6 +156,31 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
     assert FusedDecoder().weights_for(model, torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("pack", [True, frozenset({"qkv", "head"}), False])
+def test_weights_cast_through_the_kept_staging_buffer_stay_intact_when_it_is_reused(pack):
+    """The staging buffer only feeds oneDNN's reorder: a second build through it must not change the first's weights."""
+    from ragen.models.fused_decode import FusedWeights, Staging
+
+    def projections(weights, x):  # every GEMM of the fused step on the same input
+        layer = weights.layers[0]
+        return [layer.qkv(x), layer.o(x), layer.gate_up(x), layer.down(torch.cat([x, x], -1)[:, :128]), weights.head(x)]
+
+    first, second = small_model("llama", seed=0), small_model("llama", seed=1)
+    staging = Staging()
+    x = torch.randn(5, SMALL["hidden_size"]).bfloat16()
+    built = FusedWeights(first, torch.bfloat16, pack=pack, staging=staging)
+    before = projections(built, x)
+    buffer = staging.buffer
+    FusedWeights(second, torch.bfloat16, pack=pack, staging=staging)  # overwrites the buffer
+    for got, expected, fresh in zip(projections(built, x), before, projections(FusedWeights(first, torch.bfloat16, pack=pack), x)):
+        assert torch.equal(got, expected) and torch.equal(got, fresh)
+    if pack is not False and packing_available(torch.bfloat16):
+        assert staging.buffer is buffer  # reused, not reallocated
+        assert buffer.numel() == SMALL["vocab_size"] * SMALL["hidden_size"]  # the largest packed weight: the head
+    elif pack is False:
+        assert staging.buffer is None  # nothing packed: nothing staged
+
+
 def test_calls_it_cannot_take_go_to_transformers_and_the_model_is_restored():
     model = small_model("llama", seed=4)
     ids, mask = padded_batch()
