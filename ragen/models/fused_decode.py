@@ -272,17 +272,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out
 
 
+#: Decode steps the group-layout own-column buffers of :func:`_attend_grouped` grow by.
+OWN_CHUNK = 32
+
+
 @dataclass
 class SharedPrefix:
     """Rows ``[u·k, (u+1)·k)`` of a decode batch hold the same first ``length`` cache columns: prompt ``u``'s.
 
     For the ``U`` distinct prompts (as prefilled, before the rows were copied out to ``B = U·k``), in fp32:
-    ``keys_t[i]`` is layer ``i``'s keys transposed, ``(U, H_kv, D, length)`` and contiguous (the layout the
-    score GEMM reads fastest); ``values[i]`` is ``(U, H_kv, length, D)``; ``padding`` is ``(U, length)``
-    (True = a padding column) or None, and ``bias`` the same as an additive ``(U, 1, 1, length)`` mask
-    (-inf at padding, else 0). :func:`decode_step` then reads each prompt's keys and values once per
+    ``keys_t[i]`` holds layer ``i``'s keys transposed, ``(U, H_kv, D, W)`` (the layout the score GEMM reads
+    fastest), the prefix in columns ``[0, length)``; ``values[i]`` is ``(U, H_kv, W, D)``; ``padding`` is
+    ``(U, length)`` (True = a padding column) or None, and ``bias`` the same as an additive ``(U, 1, 1, length)``
+    mask (-inf at padding, else 0). :func:`decode_step` then reads each prompt's keys and values once per
     group instead of once per row (``HFBackend._shared_prefill`` and ``_common_prefill`` record it). With
-    ``capacity`` > 0 (the backend's growing caches are on) the rows' own columns are read per group too.
+    ``capacity`` > 0 (the backend's growing caches are on) the rows' own columns are read per group too:
+    :meth:`append_own` writes them after the prefix, in the same buffers (``W ≥ length``).
     """
 
     group: int
@@ -295,51 +300,58 @@ class SharedPrefix:
     capacity: int = 0
     #: Steps kept so far; None once a step went another way (the copies are then incomplete: not used again).
     own_steps: int | None = 0
-    #: Per layer (U, H_kv, D, s·k): column t·k + j = row j's step t, for s ≤ capacity steps (grown by OWN_CHUNK).
-    own_keys_t: list[torch.Tensor | None] | None = None
-    own_values: list[torch.Tensor | None] | None = None  # per layer (U, H_kv, s·k, D)
-    own_bias: torch.Tensor | None = None  # (k·g, capacity·k): 0 where query row j·g + h may read column t·k + j
+    #: ``(U | 1, 1, k·g, length + capacity·k)``, made at the first grouped step: the prefix's padding (-inf) and,
+    #: after it, 0 where query row ``j·g + h`` may read own column ``length + t·k + j`` (row ``j``'s), else -inf.
+    grouped_bias: torch.Tensor | None = None
 
     @classmethod
     def from_layers(cls, layers, group: int, padding: torch.Tensor | None, capacity: int = 0) -> "SharedPrefix":
         """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32. ``capacity``: the
         most decode steps the call may take (room for :func:`_attend_grouped`'s copies; 0 keeps none)."""
-        keys_t = [layer.keys.float().transpose(-1, -2).contiguous() for layer in layers]
-        values = [layer.values.float().contiguous() for layer in layers]
+        U, H_kv, length, D = layers[0].keys.shape
+        width = length + min(capacity, OWN_CHUNK) * group  # the first chunk of own columns, if any
+        keys_t, values = [], []
+        for layer in layers:
+            keys_t.append(layer.keys.new_empty(U, H_kv, D, width, dtype=torch.float32))
+            keys_t[-1][..., :length] = layer.keys.transpose(-1, -2)  # to fp32
+            values.append(layer.values.new_empty(U, H_kv, width, layer.values.shape[-1], dtype=torch.float32))
+            values[-1][:, :, :length] = layer.values
         bias = None
         if padding is not None and bool(padding.any()):
             bias = torch.zeros(padding.shape[0], 1, 1, padding.shape[1]).masked_fill_(padding[:, None, None, :],
                                                                                        float("-inf"))
         else:
             padding = None
-        return cls(group, keys_t[0].shape[-1], keys_t, values, padding, bias, capacity=capacity)
+        return cls(group, length, keys_t, values, padding, bias, capacity=capacity)
 
     def append_own(self, layer: int, key: torch.Tensor, value: torch.Tensor, heads_per_kv: int):
-        """Copy this step's ``key``/``value`` ``(B, H_kv, 1, D)`` into layer ``layer``'s group-layout buffers (step-major:
-        column ``t·k + j`` holds row ``j``'s step ``t``, grown by :data:`OWN_CHUNK` steps, not sized for ``capacity`` up
-        front: rows may stop early) and return the ``n·k`` filled columns: ``(U, H_kv, D, n·k)`` keys,
-        ``(U, H_kv, n·k, D)`` fp32 values and the ``(k·g, n·k)`` bias that keeps each query row to its own row's."""
-        k, t = self.group, self.own_steps
+        """Copy this step's ``key``/``value`` ``(B, H_kv, 1, D)`` into layer ``layer``'s buffers after the prefix
+        (step-major: column ``length + t·k + j`` holds row ``j``'s step ``t``; grown by :data:`OWN_CHUNK` steps, not
+        sized for ``capacity`` up front: rows may stop early) and return the ``n = length + (t+1)·k`` filled columns:
+        ``(U, H_kv, D, n)`` keys, ``(U, H_kv, n, D)`` fp32 values and the ``(U | 1, 1, k·g, n)`` bias."""
+        k, t, Lp = self.group, self.own_steps, self.length
         U, H_kv, D = key.shape[0] // k, key.shape[1], key.shape[-1]
-        if self.own_bias is None:  # the call's first grouped step
+        if self.grouped_bias is None:  # the call's first grouped step
             row = torch.arange(k, device=key.device).repeat_interleave(heads_per_kv)  # query row j·g + h -> j
-            column = torch.arange(k, device=key.device).repeat(self.capacity)  # column t·k + j -> j
-            self.own_bias = key.new_zeros(k * heads_per_kv, self.capacity * k, dtype=torch.float32).masked_fill_(
-                row[:, None] != column[None, :], float("-inf"))
-            self.own_keys_t, self.own_values = [None] * len(self.keys_t), [None] * len(self.keys_t)
-        keys_t, values = self.own_keys_t[layer], self.own_values[layer]
-        if keys_t is None or keys_t.shape[-1] < (t + 1) * k:
-            steps = min(self.capacity, t + OWN_CHUNK)
-            grown_k = key.new_empty(U, H_kv, D, steps * k, dtype=torch.float32)  # fp32, as the attention computes
-            grown_v = key.new_empty(U, H_kv, steps * k, value.shape[-1], dtype=torch.float32)
-            if t:
-                grown_k[..., : t * k] = keys_t[..., : t * k]
-                grown_v[:, :, : t * k] = values[:, :, : t * k]
-            self.own_keys_t[layer], self.own_values[layer] = keys_t, values = grown_k, grown_v
-        keys_t[..., t * k : (t + 1) * k] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k), to fp32
-        values[:, :, t * k : (t + 1) * k] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
-        n = (t + 1) * k
-        return keys_t[..., :n], values[:, :, :n], self.own_bias[:, :n]
+            column = torch.arange(k, device=key.device).repeat(self.capacity)  # own column t·k + j -> j
+            bias = key.new_zeros(1 if self.bias is None else U, 1, k * heads_per_kv, Lp + self.capacity * k,
+                                 dtype=torch.float32)
+            if self.bias is not None:
+                bias[..., :Lp] = self.bias
+            bias[..., Lp:].masked_fill_(row[:, None] != column[None, :], float("-inf"))
+            self.grouped_bias = bias
+        keys_t, values = self.keys_t[layer], self.values[layer]
+        n = Lp + (t + 1) * k
+        if keys_t.shape[-1] < n:
+            width = Lp + min(self.capacity, t + OWN_CHUNK) * k
+            grown_k = keys_t.new_empty(U, H_kv, D, width)
+            grown_v = values.new_empty(U, H_kv, width, values.shape[-1])
+            grown_k[..., : n - k] = keys_t[..., : n - k]
+            grown_v[:, :, : n - k] = values[:, :, : n - k]
+            self.keys_t[layer], self.values[layer] = keys_t, values = grown_k, grown_v
+        keys_t[..., n - k : n] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k), to fp32
+        values[:, :, n - k : n] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
+        return keys_t[..., :n], values[:, :, :n], self.grouped_bias[..., :n]
 
     def grouped_step(self, past: int, padding: torch.Tensor | None) -> bool:
         """Whether this decode step (``past`` cached columns before it) can run :func:`_attend_grouped`: every earlier
@@ -359,7 +371,7 @@ def _prefix_scores(query: torch.Tensor, prefix: SharedPrefix, layer: int) -> tup
     B, H_kv, g, D = query.shape
     k = prefix.group
     grouped = query.view(B // k, k, H_kv, g, D).transpose(1, 2).reshape(B // k, H_kv, k * g, D)
-    shared = torch.matmul(grouped, prefix.keys_t[layer])
+    shared = torch.matmul(grouped, prefix.keys_t[layer][..., : prefix.length])
     if prefix.bias is not None:
         shared.add_(prefix.bias)
     return grouped, shared
@@ -386,13 +398,9 @@ def _attend_shared(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     shared = shared.view(U, H_kv, k, g, Lp).transpose(1, 2).reshape(B, H_kv, g, Lp)
     probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)  # (B, H_kv, g, L)
     p_shared = probs[..., :Lp].reshape(U, k, H_kv, g, Lp).transpose(1, 2).reshape(U, H_kv, k * g, Lp)
-    out = torch.matmul(p_shared, prefix.values[layer])  # (U, H_kv, k·g, D)
+    out = torch.matmul(p_shared, prefix.values[layer][:, :, :Lp])  # (U, H_kv, k·g, D)
     out = out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)
     return out + torch.matmul(probs[..., Lp:], values[:, :, Lp:].float())  # (B, H_kv, g, D)
-
-
-#: Decode steps the group-layout own-column buffers of :func:`_attend_grouped` grow by.
-OWN_CHUNK = 32
 
 
 def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prefix: SharedPrefix,
@@ -400,19 +408,18 @@ def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """:func:`_attend_shared` with the rows' own columns also read per group: one softmax per group and KV head.
 
     The step's ``key``/``value`` ``(B, H_kv, 1, D)`` (also appended to the cache by the caller) are copied into
-    ``prefix``'s group-layout buffers, step-major (column ``t·k + j`` holds row ``j``'s step ``t``). Then each
-    group's ``k·g`` query rows meet ``[shared prefix | all k rows' own columns]`` in two GEMMs of the group
-    (``(U, H_kv, k·g, D) @ (U, H_kv, D, L_p + n·k)``) instead of one tiny GEMM per row; ``own_bias`` (-inf)
-    keeps each row to its own columns. The same sums as :func:`_attend_shared` (a -inf score adds nothing),
-    with ~4x fewer, larger batched matrices.
+    ``prefix``'s buffers after the prompt's columns, step-major (column ``L_p + t·k + j`` holds row ``j``'s step
+    ``t``). Then each group's ``k·g`` query rows meet ``[shared prefix | all k rows' own columns]`` in one score GEMM
+    and one value GEMM of the group (``(U, H_kv, k·g, D) @ (U, H_kv, D, n)``, ``n = L_p + (t+1)·k``) instead of one
+    tiny GEMM per row; ``grouped_bias`` (-inf) keeps each row to its own columns and off the prompt's padding. The
+    same sums as :func:`_attend_shared` (a -inf score adds nothing), with far fewer, larger batched matrices.
     """
     B, H_kv, g, D = query.shape
-    U, k, Lp = B // prefix.group, prefix.group, prefix.length
-    own_keys_t, own_values, own_bias = prefix.append_own(layer, key, value, g)  # (U, H_kv, D, n·k), (.., n·k, D)
-    grouped, shared = _prefix_scores(query * scaling, prefix, layer)  # (U, H_kv, k·g, D), (U, H_kv, k·g, L_p)
-    own = torch.matmul(grouped, own_keys_t).add_(own_bias)  # (U, H_kv, k·g, n·k)
-    probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)  # (U, H_kv, k·g, L_p + n·k)
-    out = torch.matmul(probs[..., :Lp], prefix.values[layer]) + torch.matmul(probs[..., Lp:], own_values)
+    U, k = B // prefix.group, prefix.group
+    keys_t, values, bias = prefix.append_own(layer, key, value, g)  # (U, H_kv, D, n), (U, H_kv, n, D), (U | 1, 1, k·g, n)
+    grouped = (query * scaling).view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)
+    probs = torch.softmax(torch.matmul(grouped, keys_t).add_(bias), dim=-1)  # (U, H_kv, k·g, n)
+    out = torch.matmul(probs, values)  # (U, H_kv, k·g, D)
     return out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)  # (B, H_kv, g, D)
 
 
