@@ -25,6 +25,7 @@ from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
+from ragen.models.fused_prefill import cache_fits, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
@@ -118,7 +119,9 @@ class HFBackend:
     ``fused_decode=True`` takes Llama-family decode steps through :mod:`ragen.models.fused_decode`;
     ``common_prefix=True`` prefills the distinct prompts' common first tokens once (:meth:`_common_prefill`);
     ``decode_loop=True`` samples with :func:`ragen.models.decode_loop.decode` instead of ``generate`` where it
-    may (greedy or the inverse-CDF sampler, Llama-family models). All follow ``rollout.fast_decode``.
+    may (greedy or the inverse-CDF sampler, Llama-family models); ``fused_prefill=True`` runs the prompt prefill of a
+    model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`). All
+    follow ``rollout.fast_decode``.
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
@@ -135,7 +138,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
                  grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True,
-                 common_prefix: bool = True, decode_loop: bool = True):
+                 common_prefix: bool = True, decode_loop: bool = True, fused_prefill: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -146,6 +149,8 @@ class HFBackend:
         self.common_prefix = common_prefix
         self._plain_layers: bool | None = None
         self.decode_loop = decode_loop
+        self.fused_prefill = fused_prefill
+        self._prefill_fused = False  # within a call: the fused decode step is switched on and fused_prefill asked for
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
         self._in_session = False
         self.model = model
@@ -167,7 +172,8 @@ class HFBackend:
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode)
+                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
+                   fused_prefill=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
@@ -246,6 +252,7 @@ class HFBackend:
                     transposed_linears(self.model, self.transposed_gemm), \
                     decode_attention_for(self.model, self.decode_attention), \
                     frozen_weights_cast_once(self.model, self.device.type):
+                self._prefill_fused = fused and self.fused_prefill
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
@@ -270,6 +277,7 @@ class HFBackend:
                 self.stats.decode_s += time.perf_counter() - middle
         finally:
             self.model.train(was_training)
+            self._prefill_fused = False
             self.fused.prefix = None  # describes this call's rows only
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
@@ -347,8 +355,17 @@ class HFBackend:
 
         Llama-family models of transformers' own classes run their decoder alone
         (:func:`~ragen.models.fused_decode.decoder_stack`): the logits would be thrown away. Others run whole,
-        with ``logits_to_keep=1``.
+        with ``logits_to_keep=1``. Within a call whose decode steps are fused, the prefill runs through the same
+        packed weights (:func:`~ragen.models.fused_prefill.prefill`) where the cache and inputs allow it.
         """
+        cache = inputs.get(CACHE_KWARG)
+        if self._prefill_fused and inputs.get("position_ids") is not None and cache_fits(
+                cache if cache is not None else DynamicCache(config=self.model.config)):
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else self.model.lm_head.weight.dtype
+            weights = self.fused.weights_for(self.model, dtype)  # built once for the prefill and the decode steps
+            self.fused.prefill_calls += 1
+            return fused_prefill(self.model, weights, inputs["input_ids"], inputs.get("attention_mask"),
+                                 inputs["position_ids"], cache)
         decoder = decoder_stack(self.model)
         if decoder is None:
             return output_cache(self.model(**inputs, use_cache=True, logits_to_keep=1))

@@ -506,6 +506,8 @@ class FusedDecoder:
         #: Of the shared-prefix steps, those that also read the rows' own columns per group (:func:`_attend_grouped`).
         self.grouped_steps = 0
         self.plain_calls = 0
+        #: Prompt prefills run through these weights (:func:`ragen.models.fused_prefill.prefill`, by ``HFBackend``).
+        self.prefill_calls = 0
 
     def prefix_for(self, batch: int, past: int) -> SharedPrefix | None:
         """The recorded shared prefix if it describes this call's rows (``batch`` rows, ``past`` cached columns)."""

@@ -1,0 +1,100 @@
+"""Prompt prefill of Llama-family models through the fused decode step's weights, for generation on the CPU.
+
+A rollout's ``generate`` call first runs its prompts through the model for their keys and values
+(``HFBackend._prompt_pass``), then decodes with :func:`~ragen.models.fused_decode.decode_step` on
+:class:`~ragen.models.fused_decode.FusedWeights`: the projections concatenated (``[W_q; W_k; W_v]``,
+``[W_gate; W_up]``), cast to bf16 and packed for oneDNN once per rollout. Through transformers' modules the
+prefill used none of that: seven separate projections per layer, each weight cast again by autocast, GEMMs
+repacking plain weights. :func:`prefill` runs the same prompt tokens through the packed weights the decode
+steps use (built once for both), with torch's ``scaled_dot_product_attention`` reading the KV heads directly
+(``enable_gqa``, no repeated keys).
+
+The arithmetic is transformers' under autocast, dtype for dtype: an fp32 residual stream and RMS norms,
+projections in the autocast dtype, rotary embedding from the model's own ``rotary_emb`` in fp32 (so the
+cached keys are fp32 and the values bf16, as transformers caches them), and attention in bf16 (autocast casts
+``sdpa``'s inputs to bf16). The mask is the causal mask and the padding mask together, as transformers builds
+it; a query that is itself padding (it may see no real key) also attends to its own column, so no row of the
+softmax is empty whatever the kernel does with one (torch 2.13's returns zeros; a NaN there would stay in that
+padding column's keys and values, which no real query reads). Equal to
+transformers' prefill up to float rounding (packed GEMMs may sum in another order; the tests bound it:
+``tests/models/test_fused_prefill.py``). Measured in ``docs/performance.md`` ("Prompt prefill through the fused
+weights").
+
+Taken only where :func:`~ragen.models.fused_decode.unsupported_reason` takes the decode steps, with a plain
+per-layer KV cache (:func:`cache_fits`) and explicit positions; the backend runs every other prefill through
+transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate
+from ragen.models.growing_cache import GrowingLayer
+
+
+def cache_fits(cache) -> bool:
+    """Whether ``cache`` (None: a new one) is made of plain per-layer caches that :func:`prefill` may append to."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
+
+
+def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tensor:
+    """``(B, 1, T, P + T)`` bool: query ``i`` (column ``P + i``) may read column ``j`` if ``j ≤ P + i`` and ``j`` is
+    real (``attention_mask`` ``(B, P + T)``, 1 = real), and always its own column."""
+    B, width = attention_mask.shape
+    past = width - queries
+    causal = torch.ones(queries, width, dtype=torch.bool, device=attention_mask.device).tril(diagonal=past)  # (T, P+T)
+    allowed = causal[None] & attention_mask.bool()[:, None, :]  # (B, T, P+T)
+    own = torch.arange(queries, device=attention_mask.device)
+    allowed[:, own, past + own] = True  # a padding query reads itself: no empty softmax row
+    return allowed[:, None]
+
+
+@torch.no_grad()
+def prefill(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            position_ids: torch.Tensor, cache=None):
+    """Append the keys and values of ``input_ids`` ``(B, T)`` at ``position_ids`` ``(B, T)`` to ``cache`` (``P``
+    columns per layer; None: a new ``DynamicCache``) and return it. ``attention_mask`` is ``(B, P + T)`` (1 = real,
+    0 = padding) or None (every column real)."""
+    inner, config = model.model, model.config
+    B, T = input_ids.shape
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    q_width, kv_width = H * D, H_kv * D
+    scaling = D ** -0.5
+    dtype = weights.dtype
+    if cache is None:
+        cache = DynamicCache(config=config)
+    past = cache.get_seq_length()
+    mask, causal = None, False
+    if attention_mask is not None and not bool(attention_mask.all()):
+        mask = attention_mask_4d(attention_mask, T)  # (B, 1, T, P + T)
+    elif past == 0:
+        causal = True  # square and unpadded: the kernel's own causal mask
+    else:
+        mask = attention_mask_4d(torch.ones(B, past + T, dtype=torch.long, device=input_ids.device), T)
+    with torch.autocast("cpu", enabled=False):
+        h = inner.embed_tokens(input_ids)  # (B, T, C), the residual stream's dtype
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (B, T, D)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): the same for every head
+        for i, w in enumerate(weights.layers):
+            x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, T, C)
+            qkv = w.qkv(x)  # (B, T, H·D + 2·H_kv·D)
+            qk = qkv[..., : q_width + kv_width].to(cos.dtype, memory_format=torch.contiguous_format)
+            qk = _rotate(qk.view(B, T, H + H_kv, D), cos, sin)  # (B, T, H + H_kv, D) fp32
+            query = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+            key = qk[:, :, H:].transpose(1, 2).contiguous()  # (B, H_kv, T, D) fp32, as transformers caches it
+            value = qkv[..., q_width + kv_width :].reshape(B, T, H_kv, D).transpose(1, 2).contiguous()  # (B, H_kv, T, D)
+            keys, values = cache.update(key, value, i)  # (B, H_kv, P + T, D)
+            attended = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask,
+                                                      is_causal=causal, scale=scaling, enable_gqa=True)  # (B, H, T, D)
+            h = h + w.o(attended.transpose(1, 2).reshape(B, T, q_width))
+            x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
+            gate_up = w.gate_up(x)  # (B, T, 2·I)
+            inter = gate_up.shape[-1] // 2
+            h = h + w.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])  # (B, T, C)
+    return cache

@@ -1,0 +1,106 @@
+"""The fused prompt prefill leaves the KV cache transformers' prefill leaves, and the backend takes it where it may."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.cache_names import output_cache, with_cache
+from ragen.models.fused_decode import FusedWeights, decoder_stack
+from ragen.models.fused_prefill import attention_mask_4d, prefill
+from ragen.models.growing_cache import make_growing
+from tests.models.test_fused_decode import small_model
+
+
+def layouts(seed: int = 0):
+    """(name, ids, mask, positions, past): a left-padded prompt batch, an unpadded one, and a resumed cache's layout
+    ``[kept | padding | rest]`` (the first ``past`` columns come from an earlier pass)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 300, (3, 9), generator=g)
+    padded = torch.ones(3, 9, dtype=torch.long)
+    padded[1, :4] = 0
+    padded[2, :8] = 0  # one real token: its padding queries see no real key
+    resumed = torch.ones(3, 9, dtype=torch.long)
+    resumed[0, 3:5] = 0  # padding between the kept part (columns 0-3) and the rest
+    resumed[2, :2] = 0
+    for name, mask, past in (("left-padded", padded, 0), ("unpadded", torch.ones_like(padded), 0), ("resumed", resumed, 4)):
+        yield name, ids, mask, (mask.cumsum(1) - 1).clamp(min=0), past
+
+
+def both(model, ids, mask, positions, past, weights, bf16=False, grow=False):
+    """The caches after transformers' prefill and after :func:`prefill` of columns ``[past, W)`` (``[0, past)`` first
+    by transformers in both)."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        decoder = decoder_stack(model)
+        start = DynamicCache(config=model.config)
+        if past:
+            start = output_cache(decoder(input_ids=ids[:, :past], attention_mask=mask[:, :past], position_ids=positions[:, :past],
+                                         use_cache=True, **with_cache(start)))
+        if grow:
+            make_growing(start, ids.shape[1] + 2)
+        theirs = output_cache(decoder(input_ids=ids[:, past:], attention_mask=mask, position_ids=positions[:, past:],
+                                      use_cache=True, **with_cache(copy.deepcopy(start))))
+        ours = prefill(model, weights, ids[:, past:], mask, positions[:, past:], copy.deepcopy(start) if past or grow else None)
+    return theirs, ours
+
+
+def real_columns(mask, cache):
+    """Per layer, the keys and values of the real columns only (padding columns hold whatever: no query reads them)."""
+    keep = mask.bool()
+    return [(layer.keys.transpose(1, 2)[keep], layer.values.transpose(1, 2)[keep]) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_bias", "qwen2", "mistral"])
+@pytest.mark.parametrize("pack", [False, True])  # plain fp32 weights, and oneDNN-packed fp32 copies
+def test_fused_prefill_leaves_transformers_cache_in_fp32(kind, pack):
+    model = small_model(kind)
+    weights = FusedWeights(model, torch.float32, pack=frozenset({"qkv", "o", "gate_up", "down"}) if pack else False)
+    for name, ids, mask, positions, past in layouts():
+        theirs, ours = both(model, ids, mask, positions, past, weights, grow=name == "resumed")
+        assert ours.get_seq_length() == theirs.get_seq_length() == ids.shape[1], name
+        for (k1, v1), (k2, v2) in zip(real_columns(mask, theirs), real_columns(mask, ours)):
+            assert k2.dtype == k1.dtype and v2.dtype == v1.dtype
+            torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5, msg=name)
+        for layer in ours.layers:  # padding queries attended to themselves: nothing non-finite anywhere
+            assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all(), name
+
+
+def test_fused_prefill_under_bf16_autocast_is_as_close_to_fp32_as_transformers_bf16():
+    model = small_model("llama", seed=3)
+    weights = FusedWeights(model, torch.bfloat16)  # packed where oneDNN can
+    for name, ids, mask, positions, past in layouts(seed=3):
+        exact, _ = both(model, ids, mask, positions, past, FusedWeights(model, torch.float32, pack=False))
+        theirs, ours = both(model, ids, mask, positions, past, weights, bf16=True)
+        for (k0, v0), (k1, v1), (k2, v2) in zip(real_columns(mask, exact), real_columns(mask, theirs), real_columns(mask, ours)):
+            assert (k2.dtype, v2.dtype) == (k1.dtype, v1.dtype) == (torch.float32, torch.bfloat16)  # transformers' dtypes
+            for ref, plain, fused in ((k0, k1, k2), (v0.float(), v1.float(), v2.float())):
+                plain_err, fused_err = (plain.float() - ref).abs(), (fused.float() - ref).abs()
+                assert fused_err.max() <= 2 * plain_err.max() + 1e-3, (name, fused_err.max(), plain_err.max())
+
+
+def test_mask_is_causal_and_padding_with_each_query_on_its_own_column():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1]])
+    allowed = attention_mask_4d(mask, 3)[:, 0]  # queries are columns 3, 4, 5
+    expected = torch.tensor([
+        [[1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]],  # column 3 is padding: itself only besides 0-1
+        [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]],
+    ], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_backend_prefills_through_the_fused_weights_and_samples_the_same_tokens(tiny, do_sample):
+    model, tokenizer = tiny
+    texts = ["go left", "the quick brown fox jumps", "a", "go left"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    params = SamplingParams(max_new_tokens=6, do_sample=do_sample, temperature=1.0)
+    out = {}
+    for fused_prefill in (True, False):
+        backend = HFBackend(model, tokenizer, precision="fp32", fused_prefill=fused_prefill)
+        torch.manual_seed(0)
+        out[fused_prefill] = [g.token_ids for g in backend.generate(prompts, params)]
+        assert (backend.fused.prefill_calls > 0) == fused_prefill
+    assert out[True] == out[False]
