@@ -243,8 +243,11 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
         lengths = [len(g.token_ids) for g in gens]
         res = {"batch": B, "distinct": distinct, "seconds": seconds, "generated": sum(lengths),
                "exact": all(n == args.new_tokens for n in lengths), "prompt_len": statistics.mean(len(p) for p in batch),
-               # tokens the prefill really ran: each distinct prompt once, their common prefix once (HFBackend counts
-               # them, with each row's last prompt token, which the first decode step feeds: counted in "generated")
+               # prompt tokens run besides the generated ones: each distinct prompt once, their common prefix once.
+               # HFBackend also counts each row's last prompt token (fed by the first decode step, whose B token-passes
+               # "generated" counts), or each distinct prompt's last token when the prefill ran it
+               # (first_from_prefill: B rows' first tokens came from those U passes, one decode step fewer). Either way
+               # generated + this = the token-passes the call really ran
                "prefill_tokens": backend.stats.prefilled_tokens - stats0[3] - B,
                "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
                "fused_steps": backend.fused.fused_steps - stats0[2]}

@@ -83,9 +83,25 @@ class PrefillStats:
     #: Prompt tokens not run because :meth:`HFBackend._common_prefill` ran the distinct prompts' common prefix once
     #: (``c·(U−1)`` per call): the left-padded prefill would have run them. Not in ``prefilled_tokens``.
     common_saved_tokens: int = 0
+    #: Of ``prefilled_tokens``, the rows' last prompt tokens that a first decode step fed (one per row) rather than a
+    #: prefill pass (one per distinct prompt, :attr:`HFBackend.first_from_prefill`).
+    decode_fed_tokens: int = 0
     prefill_s: float = 0.0
     #: Time decoding (``generate`` or :func:`~ragen.models.decode_loop.decode`), prefill excluded.
     decode_s: float = 0.0
+
+
+@dataclass
+class Prefilled:
+    """A prefill's result: the left-padded (or resumed-layout) ``(B, W)`` ids and mask and the KV cache decoding starts
+    from (None: ``generate`` prefills itself). Without ``first_logits`` the cache holds columns ``[0, W-1)`` and the
+    first decode step feeds column ``W-1``; with them (``(B, V)``, the logits at each row's last column, which the
+    prefill ran) it holds ``[0, W)`` and the first token is sampled from them."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    cache: object | None
+    first_logits: torch.Tensor | None = None
 
 
 class HFBackend:
@@ -120,8 +136,10 @@ class HFBackend:
     ``common_prefix=True`` prefills the distinct prompts' common first tokens once (:meth:`_common_prefill`);
     ``decode_loop=True`` samples with :func:`ragen.models.decode_loop.decode` instead of ``generate`` where it
     may (greedy or the inverse-CDF sampler, Llama-family models); ``fused_prefill=True`` runs the prompt prefill of a
-    model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`). All
-    follow ``rollout.fast_decode``.
+    model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`);
+    ``first_from_prefill=True`` lets that prefill run each distinct prompt's last token too, so the decode loop samples
+    the first token from its logits (:class:`Prefilled`) instead of a decode step of every row. All follow
+    ``rollout.fast_decode``.
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
@@ -138,7 +156,8 @@ class HFBackend:
     def __init__(self, model, tokenizer, *, precision: str = "bf16", batch_size: int = 64, reuse_kv: bool = True,
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
                  grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True,
-                 common_prefix: bool = True, decode_loop: bool = True, fused_prefill: bool = True):
+                 common_prefix: bool = True, decode_loop: bool = True, fused_prefill: bool = True,
+                 first_from_prefill: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -150,6 +169,9 @@ class HFBackend:
         self._plain_layers: bool | None = None
         self.decode_loop = decode_loop
         self.fused_prefill = fused_prefill
+        #: Where ragen's decode loop runs, the prefill also runs each distinct prompt's last token and the loop samples
+        #: the first token from those logits: one decode step of all ``B`` rows fewer per call.
+        self.first_from_prefill = first_from_prefill
         self._prefill_fused = False  # within a call: the fused decode step is switched on and fused_prefill asked for
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
         self._in_session = False
@@ -173,7 +195,7 @@ class HFBackend:
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
                    fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
-                   fused_prefill=r.fast_decode)
+                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):
@@ -253,24 +275,28 @@ class HFBackend:
                     decode_attention_for(self.model, self.decode_attention), \
                     frozen_weights_cast_once(self.model, self.device.type):
                 self._prefill_fused = fused and self.fused_prefill
+                # ragen's loop can start from the prefill's logits of each row's last prompt token (the prefill runs
+                # that token once per distinct prompt); generate feeds it as its first decode step itself
+                looping = (self.decode_loop and sampler is not False and decoder_stack(self.model) is not None
+                           and unsupported_setting(self.model.generation_config) is None)
+                last = looping and self.first_from_prefill and self._prefill_fused
                 start = time.perf_counter()
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
-                    input_ids, attention_mask, cache = self._resume_prefill(prompts, kept, room)
+                    prefilled = self._resume_prefill(prompts, kept, room, last=last)
                     kept.clear()  # copied into ``cache``: free the entries before decoding
-                elif (common := self._common_prefill(prompts, room, share=fused) if self.common_prefix else None):
-                    input_ids, attention_mask, cache = common
-                else:
+                elif not (self.common_prefix and (prefilled := self._common_prefill(prompts, room, share=fused, last=last))):
                     input_ids, attention_mask = self._left_pad(prompts)
-                    cache = self._shared_prefill(prompts, input_ids, attention_mask, room, share=fused)
+                    prefilled = self._shared_prefill(prompts, input_ids, attention_mask, room, share=fused, last=last)
+                input_ids, attention_mask, cache = prefilled.input_ids, prefilled.attention_mask, prefilled.cache
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
                 middle = time.perf_counter()
-                if (self.decode_loop and cache is not None and sampler is not False and decoder_stack(self.model) is not None
-                        and unsupported_setting(self.model.generation_config) is None):
+                if looping and cache is not None:
                     out = decode(self.model, input_ids, attention_mask, cache, max_new_tokens=params.max_new_tokens,
                                  eos_ids=sorted(self.eos_ids), pad_id=self.pad_id, sampler=sampler,
-                                 stop_strings=params.stop, tokenizer=self.tokenizer, min_new_tokens=params.min_new_tokens)
+                                 stop_strings=params.stop, tokenizer=self.tokenizer, min_new_tokens=params.min_new_tokens,
+                                 first_logits=prefilled.first_logits)
                 else:
                     out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
                 self.stats.prefill_s += middle - start
@@ -300,7 +326,7 @@ class HFBackend:
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        room: int | None = None, share: bool = False):
+                        room: int | None = None, share: bool = False, last: bool = False) -> Prefilled:
         """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
 
         A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
@@ -317,25 +343,35 @@ class HFBackend:
         spare columns too). With ``share`` (the fused decode step is on) and rows in equal
         consecutive groups of a prompt, the prompts' own columns are also kept once per prompt
         (:class:`~ragen.models.fused_decode.SharedPrefix`) for this call's decode steps.
+
+        With ``last`` the last column is prefilled too, once per distinct prompt, and its logits are returned per row
+        (:attr:`Prefilled.first_logits`): ragen's decode loop samples the first token from them.
         """
         if input_ids.shape[1] < 2 or not self.model.config.use_cache:
             self.stats.prefilled_tokens += sum(len(p) for p in prompts)
-            return None
+            self.stats.decode_fed_tokens += sum(len(p) for p in prompts)  # generate runs the whole prompt itself
+            return Prefilled(input_ids, attention_mask, None)
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         first_row = {u: row_prompt.index(u) for u in range(len(distinct))}
         rows = torch.tensor([first_row[u] for u in range(len(distinct))], device=input_ids.device)
-        ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P-1)
+        end = input_ids.shape[1] if last else -1
+        ids, mask = input_ids[rows, :end], attention_mask[rows, :end]  # (U, P-1), or (U, P) with ``last``
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = self._prompt_pass(input_ids=ids, attention_mask=mask, position_ids=positions)
+        cache, logits = self._prompt_pass(last=last, input_ids=ids, attention_mask=mask, position_ids=positions)
         if room is not None:
             make_growing(cache, input_ids.shape[1] + room)
         if len(distinct) < len(prompts):
             if share:
                 self._record_shared_prefix(cache, row_prompt, len(distinct), padding=mask == 0, room=room)
             cache.reorder_cache(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
-        self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)  # + each row's last token
-        return cache
+        if last:
+            self.stats.prefilled_tokens += sum(len(p) for p in distinct)
+            logits = logits[torch.tensor(row_prompt, device=logits.device)]  # (U, V) -> (B, V)
+        else:  # + each row's last token, which the first decode step feeds
+            self.stats.prefilled_tokens += sum(len(p) - 1 for p in distinct) + len(prompts)
+            self.stats.decode_fed_tokens += len(prompts)
+        return Prefilled(input_ids, attention_mask, cache, logits)
 
     def _record_shared_prefix(self, cache, row_prompt: list[int], distinct: int, padding: torch.Tensor,
                               room: int | None) -> None:
@@ -350,8 +386,9 @@ class HFBackend:
             capacity = (room or 0) if self.fused.group_own_columns else 0
             self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=capacity)
 
-    def _prompt_pass(self, **inputs):
-        """Run prompt tokens through the model for their keys and values only; returns the KV cache.
+    def _prompt_pass(self, last: bool = False, **inputs):
+        """Run prompt tokens through the model for their keys and values; returns the KV cache and, with ``last``, the
+        logits at each row's last column ``(B, V)`` (else None).
 
         Llama-family models of transformers' own classes run their decoder alone
         (:func:`~ragen.models.fused_decode.decoder_stack`): the logits would be thrown away. Others run whole,
@@ -365,14 +402,15 @@ class HFBackend:
             weights = self.fused.weights_for(self.model, dtype)  # built once for the prefill and the decode steps
             self.fused.prefill_calls += 1
             return fused_prefill(self.model, weights, inputs["input_ids"], inputs.get("attention_mask"),
-                                 inputs["position_ids"], cache)
+                                 inputs["position_ids"], cache, last=last)
         decoder = decoder_stack(self.model)
-        if decoder is None:
-            return output_cache(self.model(**inputs, use_cache=True, logits_to_keep=1))
-        return output_cache(decoder(**inputs, use_cache=True))
+        if decoder is None or last:
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            return output_cache(out), (out.logits[:, -1] if last else None)
+        return output_cache(decoder(**inputs, use_cache=True)), None
 
     def _resume_prefill(self, prompts: list[list[int]], kept: list[CachedPrefix | None], room: int | None = None,
-                        count: bool = True):
+                        count: bool = True, last: bool = False) -> Prefilled:
         """Left-padded ids, mask and a KV cache for ``prompts`` where row ``i`` starts with ``kept[i]``.
 
         Columns ``[0, C)`` hold each row's kept prefix (``c_i`` tokens, right-aligned, from the
@@ -382,7 +420,8 @@ class HFBackend:
         The mask may hold padding between a row's two parts; positions count only real
         tokens (``cumsum`` of the mask, as ``generate`` computes them), so each token gets
         the position it had when its keys were first computed. With ``room``, the cache grows in
-        place (see :meth:`_shared_prefill`).
+        place (see :meth:`_shared_prefill`). With ``last`` the last column runs too and its logits are returned
+        (:attr:`Prefilled.first_logits`).
         """
         n = len(prompts)
         reused = [min(len(k), len(p) - 1) if k is not None else 0 for k, p in zip(kept, prompts)]  # c_i
@@ -410,16 +449,20 @@ class HFBackend:
             cache.update(keys, values, layer)
         if room is not None:
             make_growing(cache, C + S + 1 + room)
-        if S:
+        end = C + S + int(last)  # the columns [C, end) run through the model
+        logits = None
+        if end > C:
             positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
-            self._prompt_pass(input_ids=input_ids[:, C : C + S], attention_mask=attention_mask[:, : C + S],
-                              position_ids=positions[:, C : C + S], **with_cache(cache))
+            _, logits = self._prompt_pass(last=last, input_ids=input_ids[:, C:end], attention_mask=attention_mask[:, :end],
+                                          position_ids=positions[:, C:end], **with_cache(cache))
         if count:  # (False: the caller counts, as _common_prefill, whose "kept" prefix is no earlier turn's)
             self.stats.reused_tokens += sum(reused)
-            self.stats.prefilled_tokens += sum(rest) + n
-        return input_ids, attention_mask, cache
+            self.stats.prefilled_tokens += sum(rest) + n  # + each row's last token (here, or by the first decode step)
+            self.stats.decode_fed_tokens += 0 if last else n
+        return Prefilled(input_ids, attention_mask, cache, logits)
 
-    def _common_prefill(self, prompts: list[list[int]], room: int | None = None, share: bool = False):
+    def _common_prefill(self, prompts: list[list[int]], room: int | None = None, share: bool = False,
+                        last: bool = False) -> Prefilled | None:
         """Left-padded-by-parts ids, mask and KV cache for ``prompts`` whose distinct prompts share their first tokens.
 
         Prompts rendered from one template (the system prompt, the game's rules) differ only after a
@@ -443,25 +486,31 @@ class HFBackend:
         if not self._plain_cache_layers():
             return None  # sliding-window, quantised, ... caches: the left-padded prefill handles them
         ids = torch.tensor([distinct[0][:common]], device=self.device)  # (1, c)
-        shared = self._prompt_pass(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                   position_ids=torch.arange(common, device=self.device)[None])
+        shared, _ = self._prompt_pass(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      position_ids=torch.arange(common, device=self.device)[None])
         entry = CachedPrefix(token_ids=distinct[0][:common], keys=[layer.keys[0] for layer in shared.layers],
                              values=[layer.values[0] for layer in shared.layers])  # (heads, c, head_dim) per layer
-        input_ids, attention_mask, cache = self._resume_prefill([list(p) for p in distinct], [entry] * len(distinct), room,
-                                                                count=False)
-        del entry, shared
-        # the common tokens ran once, each distinct prompt's rest once, each row's last token
-        self.stats.prefilled_tokens += common + sum(len(p) - 1 - common for p in distinct) + len(prompts)
+        resumed = self._resume_prefill([list(p) for p in distinct], [entry] * len(distinct), room, count=False, last=last)
+        input_ids, attention_mask, cache, logits = resumed.input_ids, resumed.attention_mask, resumed.cache, resumed.first_logits
+        del entry, shared, resumed
+        # the common tokens ran once, each distinct prompt's rest once, each row's last token (once per distinct
+        # prompt with ``last``, else by the first decode step)
+        if last:
+            self.stats.prefilled_tokens += common + sum(len(p) - common for p in distinct)
+        else:
+            self.stats.prefilled_tokens += common + sum(len(p) - 1 - common for p in distinct) + len(prompts)
+            self.stats.decode_fed_tokens += len(prompts)
         self.stats.common_saved_tokens += common * (len(distinct) - 1)
         index = {p: u for u, p in enumerate(distinct)}
         row_prompt = [index[tuple(p)] for p in prompts]
         if share and len(distinct) < len(prompts):
-            self._record_shared_prefix(cache, row_prompt, len(distinct), padding=attention_mask[:, :-1] == 0, room=room)
+            columns = attention_mask if last else attention_mask[:, :-1]  # the cache's columns
+            self._record_shared_prefix(cache, row_prompt, len(distinct), padding=columns == 0, room=room)
         if row_prompt == list(range(len(distinct))):
-            return input_ids, attention_mask, cache  # every row its own prompt, in order: nothing to copy
+            return Prefilled(input_ids, attention_mask, cache, logits)  # every row its own prompt, in order: no copy
         rows = torch.tensor(row_prompt, device=input_ids.device)
         cache.reorder_cache(rows)  # (U, ...) -> (B, ...)
-        return input_ids[rows], attention_mask[rows], cache
+        return Prefilled(input_ids[rows], attention_mask[rows], cache, logits[rows] if logits is not None else None)
 
     def _plain_cache_layers(self) -> bool:
         """Whether the model's KV cache is made of plain ``DynamicLayer``s (asked once per backend)."""

@@ -71,13 +71,16 @@ class DecodeOutput:
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, max_new_tokens: int,
            eos_ids: list[int], pad_id: int, sampler: InverseCDFSampler | None = None, stop_strings=(),
-           tokenizer=None, min_new_tokens: int = 0) -> DecodeOutput:
+           tokenizer=None, min_new_tokens: int = 0, first_logits: torch.Tensor | None = None) -> DecodeOutput:
     """Sample up to ``max_new_tokens`` tokens per row after a prefill; ``generate``'s result, computed directly.
 
     ``input_ids``/``attention_mask`` are ``(B, W)`` (padding 0 in the mask, anywhere); ``cache`` holds the keys
     and values of columns ``[0, W-1)``: the last prompt column is fed by the first step. ``sampler`` None is
     greedy decoding; then EOS cannot be chosen before ``min_new_tokens`` tokens (a sampler applies its own
     ``min_new_tokens``). ``stop_strings`` need the ``tokenizer``.
+
+    With ``first_logits`` ``(B, V)`` (the prefill ran the last prompt column too: ``cache`` holds ``[0, W)``) the
+    first token is sampled from them and the first model call feeds it: one forward pass fewer, the same steps after.
     """
     B, W = input_ids.shape
     device = input_ids.device
@@ -93,13 +96,17 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     n = 0
     for step in range(max_new_tokens):
         width = W + step
-        out = model(input_ids=ids[:, width - 1 : width], attention_mask=mask[:, :width], position_ids=positions,
-                    use_cache=True, **with_cache(cache))
-        logits = out.logits[:, -1]  # (B, V) in the model's compute dtype
+        if step == 0 and first_logits is not None:
+            logits = first_logits  # (B, V): the prefill's, at the last prompt column
+        else:
+            out = model(input_ids=ids[:, width - 1 : width], attention_mask=mask[:, :width], position_ids=positions,
+                        use_cache=True, **with_cache(cache))
+            logits = out.logits[:, -1]  # (B, V) in the model's compute dtype
+            del out
         if logits_fp32 is None:
             logits_fp32 = torch.empty(logits.shape, dtype=torch.float32, device=device)
         logits_fp32.copy_(logits)  # generate's fp32 copy of the logits, into one buffer
-        del out, logits
+        del logits
         if sampler is None:
             if step < min_new_tokens:
                 logits_fp32[:, eos] = float("-inf")  # as transformers' MinNewTokensLengthLogitsProcessor

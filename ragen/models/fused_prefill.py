@@ -56,10 +56,11 @@ def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tenso
 
 @torch.no_grad()
 def prefill(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            position_ids: torch.Tensor, cache=None):
+            position_ids: torch.Tensor, cache=None, last: bool = False):
     """Append the keys and values of ``input_ids`` ``(B, T)`` at ``position_ids`` ``(B, T)`` to ``cache`` (``P``
-    columns per layer; None: a new ``DynamicCache``) and return it. ``attention_mask`` is ``(B, P + T)`` (1 = real,
-    0 = padding) or None (every column real)."""
+    columns per layer; None: a new ``DynamicCache``); returns ``(cache, logits)``: with ``last`` the logits at each
+    row's last column ``(B, V)`` (final norm and LM head, as :func:`~ragen.models.fused_decode.decode_step`), else
+    None. ``attention_mask`` is ``(B, P + T)`` (1 = real, 0 = padding) or None (every column real)."""
     inner, config = model.model, model.config
     B, T = input_ids.shape
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
@@ -97,4 +98,7 @@ def prefill(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mas
             gate_up = w.gate_up(x)  # (B, T, 2·I)
             inter = gate_up.shape[-1] // 2
             h = h + w.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])  # (B, T, C)
-    return cache
+        logits = None
+        if last:
+            logits = weights.head(_rms_norm(h[:, -1], weights.norm, weights.norm_eps).to(dtype))  # (B, V)
+    return cache, logits

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ragen.models import load_model
-from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.backend import HFBackend, Prefilled, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_shared_prefill_gives_the_same_tokens_as_a_plain_prefill(backend, monkey
     torch.manual_seed(0)
     shared = backend.generate(prompts, params)
     assert calls  # the shared path really ran ...
-    monkeypatch.setattr(backend, "_shared_prefill", lambda *a, **k: None)
+    monkeypatch.setattr(backend, "_shared_prefill", lambda prompts, ids, mask, *a, **k: Prefilled(ids, mask, None))  # generate prefills
     torch.manual_seed(0)
     plain = backend.generate(prompts, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in plain]
@@ -49,7 +49,7 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     handle = backend.model.get_decoder().register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape),
                                                                 with_kwargs=True)
     try:
-        cache = backend._shared_prefill(prompts, ids, mask)
+        cache = backend._shared_prefill(prompts, ids, mask).cache
     finally:
         handle.remove()
     assert seen == [torch.Size([3, width - 1])]  # one row per distinct prompt, the last column left to generate
@@ -61,7 +61,7 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     handle = backend.model.get_decoder().register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape),
                                                                 with_kwargs=True)
     try:  # all distinct: the same one pass per row that ``generate`` would make, done here so it is timed apart
-        cache = backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]])
+        cache = backend._shared_prefill(prompts[:1] + prompts[3:4], ids[[0, 3]], mask[[0, 3]]).cache
     finally:
         handle.remove()
     assert seen == [torch.Size([2, width - 1])] and cache.get_seq_length() == width - 1

@@ -243,8 +243,10 @@ def test_backend_takes_fused_steps_and_samples_what_the_plain_path_samples(tiny)
     fused = HFBackend(model, tokenizer, precision="fp32", fused_decode=True)
     plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
-    # every generate step fused (one per new token of the longest row); the shared prefill ran the decoder itself
-    assert fused.fused.fused_steps == max(len(g.token_ids) for g in a) and fused.fused.plain_calls == 0
+    # every decode step fused (one per new token of the longest row but the first, which the prefill's logits gave:
+    # the prefill ran each prompt's last token too, through the fused weights)
+    assert fused.fused.fused_steps == max(len(g.token_ids) for g in a) - 1 and fused.fused.plain_calls == 0
+    assert fused.fused.prefill_calls > 0 and fused.stats.decode_fed_tokens == 0
     assert plain.fused.fused_steps == 0
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert fused.fused.weights is None  # outside a session the copy is freed after the call

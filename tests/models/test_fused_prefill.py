@@ -42,7 +42,9 @@ def both(model, ids, mask, positions, past, weights, bf16=False, grow=False):
             make_growing(start, ids.shape[1] + 2)
         theirs = output_cache(decoder(input_ids=ids[:, past:], attention_mask=mask, position_ids=positions[:, past:],
                                       use_cache=True, **with_cache(copy.deepcopy(start))))
-        ours = prefill(model, weights, ids[:, past:], mask, positions[:, past:], copy.deepcopy(start) if past or grow else None)
+        ours, logits = prefill(model, weights, ids[:, past:], mask, positions[:, past:],
+                               copy.deepcopy(start) if past or grow else None)
+        assert logits is None
     return theirs, ours
 
 
@@ -104,3 +106,35 @@ def test_backend_prefills_through_the_fused_weights_and_samples_the_same_tokens(
         out[fused_prefill] = [g.token_ids for g in backend.generate(prompts, params)]
         assert (backend.fused.prefill_calls > 0) == fused_prefill
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("layout", ["common prefix", "left-padded", "resumed turn"])
+def test_first_token_from_the_prefills_logits_samples_what_a_first_decode_step_samples(tiny, do_sample, layout):
+    """``first_from_prefill``: the prefill also runs each distinct prompt's last token and the loop samples the first
+    token from those logits: one decode step fewer, the same tokens (fp32) as feeding that token in a decode step."""
+    from tests.models.test_backend import prompts_with_groups, templated_prompts
+
+    model, tokenizer = tiny
+    prompts = templated_prompts(tokenizer) if layout == "common prefix" else prompts_with_groups(tokenizer)
+    params = SamplingParams(max_new_tokens=7, do_sample=do_sample, temperature=1.0, min_new_tokens=7)
+    runs = {}
+    for first in (True, False):
+        backend = HFBackend(model, tokenizer, precision="fp32", first_from_prefill=first)
+        torch.manual_seed(0)
+        with backend.session():
+            out = [g.token_ids for g in backend.generate(prompts, params)]
+            steps, fed, saved = backend.fused.fused_steps, backend.stats.decode_fed_tokens, backend.stats.common_saved_tokens
+            if layout == "resumed turn":  # turn 2 extends each row's turn 1: its kept cache is resumed
+                turn2 = [p + g + tokenizer(" next")["input_ids"] for p, g in zip(prompts, out)]
+                out = [g.token_ids for g in backend.generate(turn2, params)]
+                assert backend.stats.reused_tokens > 0
+                steps, fed = backend.fused.fused_steps - steps, backend.stats.decode_fed_tokens - fed
+        runs[first] = out, steps, fed, backend.stats.prefilled_tokens
+        assert (saved > 0) == (layout == "common prefix")  # each layout's own prefill path ran
+    (ours, steps, fed, prefilled), (theirs, plain_steps, plain_fed, plain_prefilled) = runs[True], runs[False]
+    assert ours == theirs
+    assert steps == plain_steps - 1 == params.max_new_tokens - 1  # the first token came from the prefill's logits
+    assert fed == 0 and plain_fed == len(prompts)  # no row's last prompt token was fed by a decode step
+    distinct = len({tuple(p) for p in prompts})
+    assert layout == "resumed turn" or plain_prefilled - prefilled == len(prompts) - distinct  # once per distinct prompt

@@ -161,7 +161,8 @@ def test_resumed_prefill_gives_the_full_prefill_logits(tiny):
                 continue
             layers = output_cache(model(input_ids=torch.tensor([prompt[:c]]), use_cache=True)).layers
             kept.append(CachedPrefix(tuple(prompt[:c]), [l.keys[0] for l in layers], [l.values[0] for l in layers]))
-        ids, mask, cache = backend._resume_prefill(prompts, kept)
+        resumed = backend._resume_prefill(prompts, kept)
+        ids, mask, cache = resumed.input_ids, resumed.attention_mask, resumed.cache
         assert cache.get_seq_length() == ids.shape[1] - 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         resumed = model(
