@@ -141,9 +141,10 @@ class RolloutConfig:
     max_episodes_in_flight: int = 0
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ``, a KV cache that
     #: grows in place, one-query decode attention, the fused Llama-family decode step on packed bf16
-    #: weights, the prompts' common prefix prefilled once and ragen's own sampling loop
-    #: (ragen/models/: transposed_gemm, growing_cache, decode_attention, fused_decode, decode_loop;
-    #: backend.py). Same tokens up to float rounding of the logits; false = transformers' plain path.
+    #: weights, the prompts' common prefix prefilled once, the prompt prefill on the same packed weights
+    #: with each row's first token sampled from its logits, and ragen's own sampling loop
+    #: (ragen/models/: transposed_gemm, growing_cache, decode_attention, fused_decode, fused_prefill,
+    #: decode_loop; backend.py). Same tokens up to float rounding of the logits; false = transformers' plain path.
     fast_decode: bool = True
     #: Where episodes are played: ``local`` (in the trainer's process) or ``ray`` (``num_workers``
     #: Ray actors, each holding env slots and a policy replica; see docs/scaling.md).
