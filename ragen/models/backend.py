@@ -75,16 +75,18 @@ def autocast(precision: str, device_type: str = "cpu"):
 class PrefillStats:
     """Where a backend's prompt tokens went: prefilled (``prefill_s`` seconds) or read from a kept cache."""
 
-    #: Prompt tokens run through the model before sampling (the KV cache decoding starts from), plus each row's last
-    #: prompt token, which the first decode step feeds.
+    #: Prompt tokens run through the model before sampling (the KV cache decoding starts from; with
+    #: :attr:`HFBackend.first_from_prefill` also the last prompt tokens, once per distinct prompt), plus the last prompt
+    #: tokens a first decode step feeds (each row's; all of a prompt when no prefill ran: ``decode_fed_tokens``).
     prefilled_tokens: int = 0
     #: Prompt tokens whose keys and values came from the previous turn's cache instead.
     reused_tokens: int = 0
     #: Prompt tokens not run because :meth:`HFBackend._common_prefill` ran the distinct prompts' common prefix once
     #: (``c·(U−1)`` per call): the left-padded prefill would have run them. Not in ``prefilled_tokens``.
     common_saved_tokens: int = 0
-    #: Of ``prefilled_tokens``, the rows' last prompt tokens that a first decode step fed (one per row) rather than a
-    #: prefill pass (one per distinct prompt, :attr:`HFBackend.first_from_prefill`).
+    #: Of ``prefilled_tokens``, those a decode step rather than a prefill pass ran: each row's last prompt token when
+    #: the first decode step feeds it, a whole prompt when no prefill ran (``generate`` prefills itself); 0 when
+    #: the prefill ran the last tokens (:attr:`HFBackend.first_from_prefill`).
     decode_fed_tokens: int = 0
     prefill_s: float = 0.0
     #: Time decoding (``generate`` or :func:`~ragen.models.decode_loop.decode`), prefill excluded.
@@ -137,8 +139,9 @@ class HFBackend:
     ``decode_loop=True`` samples with :func:`ragen.models.decode_loop.decode` instead of ``generate`` where it
     may (greedy or the inverse-CDF sampler, Llama-family models); ``fused_prefill=True`` runs the prompt prefill of a
     model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`);
-    ``first_from_prefill=True`` lets that prefill run each distinct prompt's last token too, so the decode loop samples
-    the first token from its logits (:class:`Prefilled`) instead of a decode step of every row. All follow
+    ``first_from_prefill=True`` lets that prefill run the prompts' last tokens too (once per distinct prompt, or per row
+    when resuming kept caches), so the decode loop samples the first token from their logits (:class:`Prefilled`)
+    instead of a decode step of every row. All follow
     ``rollout.fast_decode``.
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
@@ -169,8 +172,9 @@ class HFBackend:
         self._plain_layers: bool | None = None
         self.decode_loop = decode_loop
         self.fused_prefill = fused_prefill
-        #: Where ragen's decode loop runs, the prefill also runs each distinct prompt's last token and the loop samples
-        #: the first token from those logits: one decode step of all ``B`` rows fewer per call.
+        #: Where ragen's decode loop runs after the fused prefill, that prefill also runs the prompts' last tokens (once per
+        #: distinct prompt; per row when resuming kept caches) and the loop samples the first token from their logits:
+        #: one decode step of all ``B`` rows fewer per call.
         self.first_from_prefill = first_from_prefill
         self._prefill_fused = False  # within a call: the fused decode step is switched on and fused_prefill asked for
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
@@ -327,16 +331,16 @@ class HFBackend:
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         room: int | None = None, share: bool = False, last: bool = False) -> Prefilled:
-        """KV cache of all but the last prompt column, computed once per distinct prompt and copied per row.
+        """KV cache of the left-padded prompts, computed once per distinct prompt and copied per row.
 
         A group's envs share a seed and so, at turn 1, the whole prompt: prefilling ``B`` rows
-        that hold only ``U`` distinct prompts costs ``U`` prompt passes instead of ``B``. The
-        last column stays uncached because ``generate`` needs at least one new token to start
-        from; the cache covers columns ``[0, P-1)`` of the same left-padded layout, with the
+        that hold only ``U`` distinct prompts costs ``U`` prompt passes instead of ``B``. Without
+        ``last`` the last column stays uncached because ``generate`` needs at least one new token to
+        start from: the cache covers columns ``[0, P-1)`` of the left-padded layout, with the
         positions ``generate`` itself would use. Done here even when every prompt is distinct
         (the same pass ``generate`` would make), so prefill time is measured apart from
-        decoding. None when the model keeps no KV cache (or the prompts are one token long):
-        ``generate`` then prefills as usual.
+        decoding. The returned :class:`Prefilled` has no cache when the model keeps none (or the
+        prompts are one token long): ``generate`` then prefills as usual.
 
         With ``room`` (the most tokens ``generate`` will add), the cache's layers grow in place
         (:func:`~ragen.models.growing_cache.make_growing`, before the row copy so it copies the

@@ -14,8 +14,9 @@ projections in the autocast dtype, rotary embedding from the model's own ``rotar
 cached keys are fp32 and the values bf16, as transformers caches them), and attention in bf16 (autocast casts
 ``sdpa``'s inputs to bf16). The mask is the causal mask and the padding mask together, as transformers builds
 it; a query that is itself padding (it may see no real key) also attends to its own column, so no row of the
-softmax is empty whatever the kernel does with one (torch 2.13's returns zeros; a NaN there would stay in that
-padding column's keys and values, which no real query reads). Equal to
+softmax is empty whatever the kernel does with one. That matters beyond the padding row: torch 2.13's kernel
+returns zeros for an empty row, but a NaN there would go into that padding column's keys and values, and a real
+query that masks the column still multiplies its value by a probability of 0 (0 · NaN = NaN). Equal to
 transformers' prefill up to float rounding (packed GEMMs may sum in another order; the tests bound it:
 ``tests/models/test_fused_prefill.py``). Measured in ``docs/performance.md`` ("Prompt prefill through the fused
 weights").

@@ -11,7 +11,9 @@ from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.fused_decode import FusedWeights, decoder_stack
 from ragen.models.fused_prefill import attention_mask_4d, prefill
 from ragen.models.growing_cache import make_growing
-from tests.models.test_fused_decode import small_model
+from tests.models.test_fused_decode import SMALL, small_model
+
+SMALL_VOCAB = SMALL["vocab_size"]
 
 
 def layouts(seed: int = 0):
@@ -108,8 +110,72 @@ def test_backend_prefills_through_the_fused_weights_and_samples_the_same_tokens(
     assert out[True] == out[False]
 
 
+def test_last_column_logits_equal_transformers_logits():
+    """``prefill(last=True)``: the logits at each row's last column, as transformers' forward gives them (fp32), and in
+    bf16 no further from fp32 than transformers' own bf16 forward."""
+    model = small_model("llama", seed=5)
+    for name, ids, mask, positions, past in layouts(seed=5):
+        if past:
+            continue  # (the resumed layout's logits come from the same code after its cache is filled)
+        results = {}
+        for bf16 in (False, True):
+            weights = FusedWeights(model, torch.bfloat16 if bf16 else torch.float32, pack=True if bf16 else False)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                theirs = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1).logits[:, -1]
+                _, ours = prefill(model, weights, ids, mask, positions, last=True)
+            assert ours.shape == theirs.shape == (ids.shape[0], SMALL_VOCAB) and ours.dtype == theirs.dtype
+            results[bf16] = theirs.float(), ours.float()
+        exact = results[False][0]
+        torch.testing.assert_close(results[False][1], exact, rtol=1e-5, atol=1e-5, msg=name)
+        plain_err, fused_err = (results[True][0] - exact).abs(), (results[True][1] - exact).abs()
+        assert fused_err.max() <= 2 * plain_err.max() + 1e-3, (name, fused_err.max(), plain_err.max())
+
+
+def test_backend_in_bf16_takes_every_lever_and_its_first_logits_are_as_close_to_fp32_as_a_decode_steps(tiny, monkeypatch):
+    """The default path end to end under bf16 (packed weights through the staging buffer, fused prefill, shared prefix
+    with grouped steps, first token from the prefill's logits), against fp32 logits of the same first step."""
+    import ragen.models.backend as backend_module
+    import ragen.models.fused_decode as fused_decode
+    from ragen.models.packed_linear import packing_available
+    from tests.models.test_backend import templated_prompts
+
+    model, tokenizer = tiny
+    prompts = templated_prompts(tokenizer)  # a common prefix, rows in consecutive groups of a prompt
+    params = SamplingParams(max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    first = {}  # the first logits each run samples from
+    real_decode, real_step = backend_module.decode, fused_decode.decode_step
+
+    def decode(*args, **kwargs):
+        first.setdefault("prefill", kwargs["first_logits"])
+        return real_decode(*args, **kwargs)
+
+    def decode_step(*args, **kwargs):
+        logits = real_step(*args, **kwargs)
+        first.setdefault("step", logits)
+        return logits
+
+    monkeypatch.setattr(backend_module, "decode", decode)
+    monkeypatch.setattr(fused_decode, "decode_step", decode_step)
+    backend = HFBackend(model, tokenizer, precision="bf16")
+    backend.generate(prompts, params)
+    assert backend.fused.prefill_calls > 0 and backend.fused.grouped_steps > 0
+    assert backend.fused.fused_steps == params.max_new_tokens - 1 and backend.stats.decode_fed_tokens == 0
+    assert (backend.fused.staging.buffer is not None) == packing_available(torch.bfloat16)
+    ours = first.pop("prefill")  # (B, V) bf16: the prefill's logits at each row's last prompt token
+    monkeypatch.setattr(backend_module, "decode", real_decode)
+    first.clear()
+    HFBackend(model, tokenizer, precision="bf16", first_from_prefill=False).generate(prompts, params)
+    step = first["step"][:, -1]  # (B, V): the first decode step's, which fed that token
+    first.clear()
+    HFBackend(model, tokenizer, precision="fp32", first_from_prefill=False).generate(prompts, params)
+    exact = first["step"][:, -1].float()
+    assert ours.dtype == step.dtype == torch.bfloat16
+    ours_err, step_err = (ours.float() - exact).abs(), (step.float() - exact).abs()
+    assert ours_err.max() <= 2 * step_err.max() + 1e-3, (ours_err.max(), step_err.max())
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
-@pytest.mark.parametrize("layout", ["common prefix", "left-padded", "resumed turn"])
+@pytest.mark.parametrize("layout", ["common prefix", "left-padded", "grouped left-padded", "resumed turn"])
 def test_first_token_from_the_prefills_logits_samples_what_a_first_decode_step_samples(tiny, do_sample, layout):
     """``first_from_prefill``: the prefill also runs each distinct prompt's last token and the loop samples the first
     token from those logits: one decode step fewer, the same tokens (fp32) as feeding that token in a decode step."""
@@ -117,6 +183,9 @@ def test_first_token_from_the_prefills_logits_samples_what_a_first_decode_step_s
 
     model, tokenizer = tiny
     prompts = templated_prompts(tokenizer) if layout == "common prefix" else prompts_with_groups(tokenizer)
+    if layout == "grouped left-padded":  # consecutive groups, no common prefix: _shared_prefill records a SharedPrefix
+        prompts = [p for p in dict.fromkeys(map(tuple, prompts)) for _ in range(2)]
+        prompts = [list(p) for p in prompts]
     params = SamplingParams(max_new_tokens=7, do_sample=do_sample, temperature=1.0, min_new_tokens=7)
     runs = {}
     for first in (True, False):
@@ -132,9 +201,22 @@ def test_first_token_from_the_prefills_logits_samples_what_a_first_decode_step_s
                 steps, fed = backend.fused.fused_steps - steps, backend.stats.decode_fed_tokens - fed
         runs[first] = out, steps, fed, backend.stats.prefilled_tokens
         assert (saved > 0) == (layout == "common prefix")  # each layout's own prefill path ran
+        assert (backend.fused.grouped_steps > 0) == (layout in ("common prefix", "grouped left-padded"))
     (ours, steps, fed, prefilled), (theirs, plain_steps, plain_fed, plain_prefilled) = runs[True], runs[False]
     assert ours == theirs
     assert steps == plain_steps - 1 == params.max_new_tokens - 1  # the first token came from the prefill's logits
     assert fed == 0 and plain_fed == len(prompts)  # no row's last prompt token was fed by a decode step
     distinct = len({tuple(p) for p in prompts})
     assert layout == "resumed turn" or plain_prefilled - prefilled == len(prompts) - distinct  # once per distinct prompt
+
+
+def test_one_new_token_comes_from_the_prefill_alone(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in ("go left", "go left", "the quick brown fox")]
+    params = SamplingParams(max_new_tokens=1, do_sample=False)
+    out = {}
+    for first in (True, False):
+        backend = HFBackend(model, tokenizer, precision="fp32", first_from_prefill=first)
+        out[first] = [g.token_ids for g in backend.generate(prompts, params)]
+        assert backend.fused.fused_steps == (0 if first else 1)  # no decode step at all
+    assert out[True] == out[False] and all(len(t) == 1 for t in out[True])
