@@ -141,8 +141,7 @@ class HFBackend:
     model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`);
     ``first_from_prefill=True`` lets that prefill run the prompts' last tokens too (once per distinct prompt, or per row
     when resuming kept caches), so the decode loop samples the first token from their logits (:class:`Prefilled`)
-    instead of a decode step of every row. All follow
-    ``rollout.fast_decode``.
+    instead of a decode step of every row. All follow ``rollout.fast_decode``.
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
