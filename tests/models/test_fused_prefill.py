@@ -220,3 +220,33 @@ def test_one_new_token_comes_from_the_prefill_alone(tiny):
         out[first] = [g.token_ids for g in backend.generate(prompts, params)]
         assert backend.fused.fused_steps == (0 if first else 1)  # no decode step at all
     assert out[True] == out[False] and all(len(t) == 1 for t in out[True])
+
+
+@pytest.mark.parametrize("pass_tokens", [3, 6, 12])  # 1, 2 and 4 columns a pass for 3 rows
+def test_prefill_in_column_chunks_equals_one_pass(monkeypatch, pass_tokens):
+    """Long prefills run in column chunks (:data:`~ragen.models.fused_prefill.PASS_TOKENS`): the same cache and last
+    logits as one pass, including chunks whose queries are all padding in some rows."""
+    import ragen.models.fused_prefill as fused_prefill
+
+    model = small_model("qwen2", seed=6)
+    weights = FusedWeights(model, torch.float32, pack=False)
+    for name, ids, mask, positions, past in layouts(seed=6):
+        with torch.no_grad():
+            start = DynamicCache(config=model.config)
+            if past:
+                start = output_cache(decoder_stack(model)(input_ids=ids[:, :past], attention_mask=mask[:, :past],
+                                                          position_ids=positions[:, :past], use_cache=True,
+                                                          **with_cache(start)))
+            runs = []
+            for budget in (10**6, pass_tokens):
+                monkeypatch.setattr(fused_prefill, "PASS_TOKENS", budget)
+                runs.append(prefill(model, weights, ids[:, past:], mask, positions[:, past:],
+                                    copy.deepcopy(start) if past else None, last=True))
+        (whole, whole_logits), (chunked, chunked_logits) = runs
+        assert chunked.get_seq_length() == whole.get_seq_length() == ids.shape[1]
+        for (k1, v1), (k2, v2) in zip(real_columns(mask, whole), real_columns(mask, chunked)):
+            torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(chunked_logits, whole_logits, rtol=1e-5, atol=1e-5, msg=name)
+        for layer in chunked.layers:
+            assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all(), name
