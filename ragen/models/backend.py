@@ -25,6 +25,7 @@ from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
+from ragen.models import fused_prefill as fused_prefill_module
 from ragen.models.fused_prefill import cache_fits, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
@@ -396,16 +397,31 @@ class HFBackend:
         Llama-family models of transformers' own classes run their decoder alone
         (:func:`~ragen.models.fused_decode.decoder_stack`): the logits would be thrown away. Others run whole,
         with ``logits_to_keep=1``. Within a call whose decode steps are fused, the prefill runs through the same
-        packed weights (:func:`~ragen.models.fused_prefill.prefill`) where the cache and inputs allow it.
+        packed weights (:func:`~ragen.models.fused_prefill.prefill`) where the cache and inputs allow it. Either way a
+        pass of more than :data:`~ragen.models.fused_prefill.PASS_TOKENS` tokens runs in column chunks, each appending
+        to the cache before the next (the same keys and values up to float rounding; measured in
+        ``docs/performance.md``, "Long prompt prefills in column chunks").
         """
         cache = inputs.get(CACHE_KWARG)
-        if self._prefill_fused and inputs.get("position_ids") is not None and cache_fits(
-                cache if cache is not None else DynamicCache(config=self.model.config)):
+        fits = inputs.get("position_ids") is not None and cache_fits(
+            cache if cache is not None else DynamicCache(config=self.model.config))
+        if self._prefill_fused and fits:
             dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else self.model.lm_head.weight.dtype
             weights = self.fused.weights_for(self.model, dtype)  # built once for the prefill and the decode steps
             self.fused.prefill_calls += 1
             return fused_prefill(self.model, weights, inputs["input_ids"], inputs.get("attention_mask"),
                                  inputs["position_ids"], cache, last=last)
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        width = max(1, fused_prefill_module.PASS_TOKENS // ids.shape[0])  # columns a pass
+        if fits and mask is not None and ids.shape[1] > width:
+            cache = cache if cache is not None else DynamicCache(config=self.model.config)
+            past, logits = cache.get_seq_length(), None
+            for start in range(0, ids.shape[1], width):
+                end = min(ids.shape[1], start + width)
+                chunk = dict(inputs, input_ids=ids[:, start:end], attention_mask=mask[:, : past + end],
+                             position_ids=inputs["position_ids"][:, start:end], **with_cache(cache))
+                cache, logits = self._prompt_pass(last=last and end == ids.shape[1], **chunk)
+            return cache, logits
         decoder = decoder_stack(self.model)
         if decoder is None or last:
             out = self.model(**inputs, use_cache=True, logits_to_keep=1)

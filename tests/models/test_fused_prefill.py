@@ -250,3 +250,44 @@ def test_prefill_in_column_chunks_equals_one_pass(monkeypatch, pass_tokens):
         torch.testing.assert_close(chunked_logits, whole_logits, rtol=1e-5, atol=1e-5, msg=name)
         for layer in chunked.layers:
             assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all(), name
+
+
+@pytest.mark.parametrize("fused", [True, False])  # the fused prefill, and transformers' own (LoRA, other models)
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_backend_prefills_in_column_chunks_and_samples_the_same_tokens(tiny, monkeypatch, fused, do_sample):
+    """Both prefill paths chunk long passes by columns: the same tokens (fp32) as one pass, on turn 1 and on a resumed
+    turn 2, with the passes really split."""
+    import ragen.models.fused_prefill as fused_prefill
+    from tests.models.test_backend import prompts_with_groups
+
+    model, tokenizer = tiny
+    prompts = prompts_with_groups(tokenizer)
+    params = SamplingParams(max_new_tokens=6, do_sample=do_sample, temperature=1.0, min_new_tokens=6)
+    decoder = decoder_stack(model)
+    real_pass = fused_prefill._pass
+    runs = {}
+    for budget in (10**6, 8):  # 8 tokens a pass: one or two columns for 4-7 rows
+        monkeypatch.setattr(fused_prefill, "PASS_TOKENS", budget)
+        widths = []  # columns of each pass through the model
+        if fused:  # (a hook on the decoder would turn the fused path off)
+            monkeypatch.setattr(fused_prefill, "_pass", lambda *a, **k: widths.append(a[2].shape[1]) or real_pass(*a, **k))
+            handle = None
+        else:
+            handle = decoder.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]),
+                                                       with_kwargs=True)
+        backend = HFBackend(model, tokenizer, precision="fp32", fused_decode=fused, fused_prefill=fused)
+        torch.manual_seed(0)
+        try:
+            with backend.session():
+                out = [g.token_ids for g in backend.generate(prompts, params)]
+                turn2 = [p + g + tokenizer(" next")["input_ids"] for p, g in zip(prompts, out)]
+                out += [g.token_ids for g in backend.generate(turn2, params)]
+                assert backend.stats.reused_tokens > 0
+        finally:
+            if handle is not None:
+                handle.remove()
+        assert (backend.fused.prefill_calls > 0) == fused
+        runs[budget] = out
+        prompt_passes = [w for w in widths if w > 1]  # (decode steps feed one column)
+        assert prompt_passes and (max(prompt_passes) <= 2 if budget == 8 else max(prompt_passes) > 2)
+    assert runs[8] == runs[10**6]
