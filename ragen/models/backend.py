@@ -24,9 +24,8 @@ from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
 from ragen.models.device import model_device
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, decoder_stack, fused_decode_for
-from ragen.models import fused_prefill as fused_prefill_module
-from ragen.models.fused_prefill import cache_fits, prefill as fused_prefill
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
+from ragen.models.fused_prefill import cache_fits, in_column_chunks, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
@@ -402,26 +401,23 @@ class HFBackend:
         to the cache before the next (the same keys and values up to float rounding; measured in
         ``docs/performance.md``, "Long prompt prefills in column chunks").
         """
-        cache = inputs.get(CACHE_KWARG)
-        fits = inputs.get("position_ids") is not None and cache_fits(
-            cache if cache is not None else DynamicCache(config=self.model.config))
+        cache, ids, mask = inputs.get(CACHE_KWARG), inputs["input_ids"], inputs.get("attention_mask")
+        fits = inputs.get("position_ids") is not None and (cache_fits(cache) if cache is not None else self._plain_cache_layers())
         if self._prefill_fused and fits:
-            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else self.model.lm_head.weight.dtype
-            weights = self.fused.weights_for(self.model, dtype)  # built once for the prefill and the decode steps
+            weights = self.fused.weights_for(self.model, compute_dtype(self.model))  # for the prefill and the decode steps
             self.fused.prefill_calls += 1
-            return fused_prefill(self.model, weights, inputs["input_ids"], inputs.get("attention_mask"),
-                                 inputs["position_ids"], cache, last=last)
-        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-        width = max(1, fused_prefill_module.PASS_TOKENS // ids.shape[0])  # columns a pass
-        if fits and mask is not None and ids.shape[1] > width:
-            cache = cache if cache is not None else DynamicCache(config=self.model.config)
-            past, logits = cache.get_seq_length(), None
-            for start in range(0, ids.shape[1], width):
-                end = min(ids.shape[1], start + width)
-                chunk = dict(inputs, input_ids=ids[:, start:end], attention_mask=mask[:, : past + end],
-                             position_ids=inputs["position_ids"][:, start:end], **with_cache(cache))
-                cache, logits = self._prompt_pass(last=last and end == ids.shape[1], **chunk)
-            return cache, logits
+            return fused_prefill(self.model, weights, ids, mask, inputs["position_ids"], cache, last=last)
+        if fits and mask is not None:
+            def chunk_pass(chunk_ids, chunk_mask, positions, chunk_cache, chunk_last):
+                cached = with_cache(chunk_cache) if chunk_cache is not None else {}
+                return self._transformers_pass(chunk_last, input_ids=chunk_ids, attention_mask=chunk_mask,
+                                               position_ids=positions, **cached)
+
+            return in_column_chunks(chunk_pass, ids, mask, inputs["position_ids"], cache, last)
+        return self._transformers_pass(last, **inputs)
+
+    def _transformers_pass(self, last: bool, **inputs):
+        """One prompt pass through transformers' modules (see :meth:`_prompt_pass`): ``(cache, logits or None)``."""
         decoder = decoder_stack(self.model)
         if decoder is None or last:
             out = self.model(**inputs, use_cache=True, logits_to_keep=1)

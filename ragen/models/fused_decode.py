@@ -40,6 +40,7 @@ prefill, a model under LoRA, a hooked model, training -- runs transformers' ``fo
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
 from ragen.models.growing_cache import GrowingLayer
-from ragen.models.packed_linear import PackedLinear, packing_available
+from ragen.models.packed_linear import PackedLinear, will_pack
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -193,9 +194,7 @@ class Staging:
         self.buffer: torch.Tensor | None = None  # flat, grown to the largest request, never shrunk
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < numel:
             self.buffer = None  # free the old buffer first
             self.buffer = torch.empty(numel, dtype=dtype)
@@ -220,7 +219,7 @@ class FusedWeights:
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
         def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
-            if name in packed and parts[0].device.type == "cpu" and packing_available(dtype):  # PackedLinear will pack
+            if name in packed and will_pack(parts[0].device, dtype):  # PackedLinear keeps its own packed copy
                 return _stacked(parts, dtype, staging)
             return _stacked(parts, dtype) if len(parts) > 1 else cast(parts[0])
 
@@ -270,6 +269,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     out[..., :half] -= x2 * sin[..., :half]
     out[..., half:] += x1 * sin[..., half:]
     return out
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype the fused passes compute in: autocast's on the CPU when it is on, else the LM head's."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else model.lm_head.weight.dtype
+
+
+def mlp_residual(h: torch.Tensor, w: "_LayerWeights", dtype: torch.dtype) -> torch.Tensor:
+    """``h + down(silu(gate(x)) · up(x))`` with ``x`` the post-attention RMS norm of the residual ``h`` ``(..., C)``."""
+    gate_up = w.gate_up(_rms_norm(h, w.norm_post, w.eps_post).to(dtype))  # (..., 2·I)
+    inter = gate_up.shape[-1] // 2
+    return h + w.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])  # (..., C)
+
+
+def head_logits(h: torch.Tensor, weights: "FusedWeights") -> torch.Tensor:
+    """The LM head on the final RMS norm of ``h`` ``(..., C)``: ``(..., V)`` in the weights' dtype."""
+    return weights.head(_rms_norm(h, weights.norm, weights.norm_eps).to(weights.dtype))
 
 
 #: Decode steps the group-layout own-column buffers of :func:`_attend_grouped` grow by.
@@ -365,12 +381,16 @@ class SharedPrefix:
         return True
 
 
+def _grouped_queries(query: torch.Tensor, k: int) -> torch.Tensor:
+    """A group's queries together: ``(B, H_kv, g, D) -> (U, H_kv, k·g, D)``, row ``j·g + h`` = row ``j``'s head ``h``."""
+    B, H_kv, g, D = query.shape
+    return query.view(B // k, k, H_kv, g, D).transpose(1, 2).reshape(B // k, H_kv, k * g, D)
+
+
 def _prefix_scores(query: torch.Tensor, prefix: SharedPrefix, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's scaled queries together, ``(B, H_kv, g, D) -> (U, H_kv, k·g, D)``, and their scores against the group's
     shared prefix, ``(U, H_kv, k·g, L_p)`` (padding columns -inf)."""
-    B, H_kv, g, D = query.shape
-    k = prefix.group
-    grouped = query.view(B // k, k, H_kv, g, D).transpose(1, 2).reshape(B // k, H_kv, k * g, D)
+    grouped = _grouped_queries(query, prefix.group)
     shared = torch.matmul(grouped, prefix.keys_t[layer][..., : prefix.length])
     if prefix.bias is not None:
         shared.add_(prefix.bias)
@@ -417,7 +437,7 @@ def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     B, H_kv, g, D = query.shape
     U, k = B // prefix.group, prefix.group
     keys_t, values, bias = prefix.append_own(layer, key, value, g)  # (U, H_kv, D, n), (U, H_kv, n, D), (U | 1, 1, k·g, n)
-    grouped = (query * scaling).view(U, k, H_kv, g, D).transpose(1, 2).reshape(U, H_kv, k * g, D)
+    grouped = _grouped_queries(query * scaling, k)  # (U, H_kv, k·g, D)
     probs = torch.softmax(torch.matmul(grouped, keys_t).add_(bias), dim=-1)  # (U, H_kv, k·g, n)
     out = torch.matmul(probs, values)  # (U, H_kv, k·g, D)
     return out.view(U, H_kv, k, g, -1).transpose(1, 2).reshape(B, H_kv, g, -1)  # (B, H_kv, g, D)
@@ -465,15 +485,10 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             else:
                 attended = _attend_shared(query, keys, values, padding, scaling, prefix, i)
             attended = attended.reshape(B, q_width).to(qk.dtype).to(dtype)  # (B, H·D)
-            h = h + w.o(attended)
-            x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
-            gate_up = w.gate_up(x)  # (B, 2·I)
-            inter = gate_up.shape[-1] // 2
-            h = h + w.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])  # (B, C)
+            h = mlp_residual(h + w.o(attended), w, dtype)  # (B, C)
         if grouped:
             prefix.own_steps += 1
-        x = _rms_norm(h, weights.norm, weights.norm_eps).to(dtype)
-        return weights.head(x).unsqueeze(1)  # (B, 1, V)
+        return head_logits(h, weights).unsqueeze(1)  # (B, 1, V)
 
 
 def _cache_fits(cache, attention_mask) -> bool:
@@ -556,7 +571,7 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
                          inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                          logits_to_keep=logits_to_keep, **kwargs)
         nonlocal weights
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else model.lm_head.weight.dtype
+        dtype = compute_dtype(model)
         if weights is None or weights.dtype != dtype:
             weights = decoder.weights_for(model, dtype)
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate
+from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate, head_logits, mlp_residual
 from ragen.models.growing_cache import GrowingLayer
 
 
@@ -71,18 +71,27 @@ def prefill(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mas
     columns per layer; None: a new ``DynamicCache``); returns ``(cache, logits)``: with ``last`` the logits at each
     row's last column ``(B, V)`` (final norm and LM head, as :func:`~ragen.models.fused_decode.decode_step`), else
     None. ``attention_mask`` is ``(B, P + T)`` (1 = real, 0 = padding) or None (every column real). Runs in column
-    chunks of at most :data:`PASS_TOKENS` tokens a pass: the same keys and values up to float rounding."""
+    chunks of at most :data:`PASS_TOKENS` tokens a pass (:func:`in_column_chunks`): the same keys and values up to
+    float rounding."""
+    run = lambda ids, mask, positions, cache, last: _pass(model, weights, ids, mask, positions, cache, last)  # noqa: E731
+    return in_column_chunks(run, input_ids, attention_mask, position_ids, cache, last)
+
+
+def in_column_chunks(run, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                     cache=None, last: bool = False):
+    """``run(ids, mask, positions, cache, last) -> (cache, logits)``, a prompt pass appending to ``cache`` (None: it
+    makes one), over ``input_ids`` ``(B, T)`` in column chunks of at most :data:`PASS_TOKENS` tokens: each chunk
+    with the mask of the columns so far and ``last`` only for the final one. One call when ``B·T`` fits."""
     B, T = input_ids.shape
     width = max(1, PASS_TOKENS // B)  # columns a pass
     if T <= width:
-        return _pass(model, weights, input_ids, attention_mask, position_ids, cache, last)
+        return run(input_ids, attention_mask, position_ids, cache, last)
     past = cache.get_seq_length() if cache is not None else 0
     logits = None
     for start in range(0, T, width):
         end = min(T, start + width)
         mask = attention_mask[:, : past + end] if attention_mask is not None else None  # the columns so far
-        cache, logits = _pass(model, weights, input_ids[:, start:end], mask, position_ids[:, start:end], cache,
-                              last and end == T)
+        cache, logits = run(input_ids[:, start:end], mask, position_ids[:, start:end], cache, last and end == T)
     return cache, logits
 
 
@@ -121,12 +130,6 @@ def _pass(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask:
             keys, values = cache.update(key, value, i)  # (B, H_kv, P + T, D)
             attended = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask,
                                                       is_causal=causal, scale=scaling, enable_gqa=True)  # (B, H, T, D)
-            h = h + w.o(attended.transpose(1, 2).reshape(B, T, q_width))
-            x = _rms_norm(h, w.norm_post, w.eps_post).to(dtype)
-            gate_up = w.gate_up(x)  # (B, T, 2·I)
-            inter = gate_up.shape[-1] // 2
-            h = h + w.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])  # (B, T, C)
-        logits = None
-        if last:
-            logits = weights.head(_rms_norm(h[:, -1], weights.norm, weights.norm_eps).to(dtype))  # (B, V)
+            h = mlp_residual(h + w.o(attended.transpose(1, 2).reshape(B, T, q_width)), w, dtype)  # (B, T, C)
+        logits = head_logits(h[:, -1], weights) if last else None  # (B, V)
     return cache, logits

@@ -47,6 +47,12 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+def will_pack(device: torch.device, dtype: torch.dtype, pack: bool = True) -> bool:
+    """Whether :class:`PackedLinear` packs a weight on ``device`` in ``dtype`` (then it keeps a packed copy, not the
+    tensor it was given)."""
+    return pack and device.type == "cpu" and packing_available(dtype)
+
+
 class PackedLinear:
     """``x @ weightᵀ + bias`` for ``x`` of shape ``(..., in)`` on a weight packed once (a copy; see the module doc).
 
@@ -61,7 +67,7 @@ class PackedLinear:
         self.transposed = transposed
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach() if bias is not None else None
-        self.packed = pack and weight.device.type == "cpu" and packing_available(weight.dtype)
+        self.packed = will_pack(weight.device, weight.dtype, pack)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT) if self.packed else weight
 
     @property
