@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
@@ -25,8 +25,8 @@ from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
-from ragen.models.fused_prefill import cache_fits, in_column_chunks, prefill as fused_prefill
-from ragen.models.growing_cache import GrowingLayer, make_growing
+from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
+from ragen.models.growing_cache import make_growing, plain_layers
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler
@@ -402,7 +402,7 @@ class HFBackend:
         ``docs/performance.md``, "Long prompt prefills in column chunks").
         """
         cache, ids, mask = inputs.get(CACHE_KWARG), inputs["input_ids"], inputs.get("attention_mask")
-        fits = inputs.get("position_ids") is not None and (cache_fits(cache) if cache is not None else self._plain_cache_layers())
+        fits = inputs.get("position_ids") is not None and (plain_layers(cache) if cache is not None else self._plain_cache_layers())
         if self._prefill_fused and fits:
             weights = self.fused.weights_for(self.model, compute_dtype(self.model))  # for the prefill and the decode steps
             self.fused.prefill_calls += 1
@@ -530,15 +530,14 @@ class HFBackend:
     def _plain_cache_layers(self) -> bool:
         """Whether the model's KV cache is made of plain ``DynamicLayer``s (asked once per backend)."""
         if self._plain_layers is None:
-            layers = getattr(DynamicCache(config=self.model.config), "layers", None)
-            self._plain_layers = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+            self._plain_layers = plain_layers(DynamicCache(config=self.model.config))
         return self._plain_layers
 
     def _keep(self, cache, prompts: list[list[int]], attention_mask: torch.Tensor, generations: list[Generation]) -> None:
         """Store each row's keys and values (prompt and sampled tokens, padding dropped) for the next turn, as far
         as the budget allows (rows that do not fit are counted in ``refused``)."""
         layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
+        if not plain_layers(cache):
             return  # sliding-window, quantized, ... caches are not re-laid out here; those rows prefill as usual
         width, cached = attention_mask.shape[1], cache.get_seq_length()
         # bytes one token's keys and values take over all layers

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
@@ -55,7 +54,7 @@ from ragen.models import decode_attention, train_attention
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
-from ragen.models.growing_cache import GrowingLayer
+from ragen.models.growing_cache import plain_layers
 from ragen.models.packed_linear import PackedLinear, will_pack
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
@@ -492,9 +491,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
 
 
 def _cache_fits(cache, attention_mask) -> bool:
-    layers = getattr(cache, "layers", None)
     # exact types: sliding-window, quantised, ... layers (DynamicLayer subclasses) keep other columns
-    if not layers or not all(type(layer) in (DynamicLayer, GrowingLayer) and layer.is_initialized for layer in layers):
+    if not plain_layers(cache) or not all(layer.is_initialized for layer in cache.layers):
         return False
     past = cache.get_seq_length()
     return past > 0 and (attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[1] == past + 1))

@@ -22,7 +22,7 @@ transformers' prefill up to float rounding (packed GEMMs may sum in another orde
 weights").
 
 Taken only where :func:`~ragen.models.fused_decode.unsupported_reason` takes the decode steps, with a plain
-per-layer KV cache (:func:`cache_fits`) and explicit positions; the backend runs every other prefill through
+per-layer KV cache (:func:`~ragen.models.growing_cache.plain_layers`) and explicit positions; the backend runs every other prefill through
 transformers.
 """
 
@@ -31,16 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate, head_logits, mlp_residual
-from ragen.models.growing_cache import GrowingLayer
-
-
-def cache_fits(cache) -> bool:
-    """Whether ``cache`` (None: a new one) is made of plain per-layer caches that :func:`prefill` may append to."""
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
 
 
 def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tensor:

@@ -97,6 +97,14 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+def plain_layers(cache) -> bool:
+    """Whether ``cache`` is made of exactly ``DynamicLayer``s or :class:`GrowingLayer`s (one per decoder layer), the
+    layers ragen's prefill and decode paths append to and re-lay out. Subclasses (sliding-window, quantised, ...)
+    keep other columns and do not count."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
+
+
 def make_growing(cache, capacity: int):
     """Turn ``cache``'s filled ``DynamicLayer``s into :class:`GrowingLayer`s with room for ``capacity`` columns.
 
