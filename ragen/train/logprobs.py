@@ -20,6 +20,7 @@ from ragen.models.train_attention import train_attention_for
 from ragen.train.packed_groups import (block_mask, group_widths, pack_groups, packed_is_cheaper, packing_supported,
                                        pair_cost_in_tokens)
 from ragen.train.target_logprobs import target_logprobs
+from ragen.train.tied_embedding import tied_weight_for
 
 
 @dataclass
@@ -198,6 +199,7 @@ def policy_forward(
     prompt_lengths: torch.Tensor | None = None,
     prompt_layout: str = "auto",
     chunk_size: int = 1024,
+    tied_weight: bool = True,
 ) -> PolicyOutput:
     """One decoder pass → log-probs (and entropy, values) at response targets.
 
@@ -214,16 +216,20 @@ def policy_forward(
         value_head: a module mapping hidden states ``(N, H)`` to values ``(N,)`` (shared-backbone critic).
         prompt_lengths: ``(B,)``; run shared prompts once (see :func:`decoder_hidden`).
         prompt_layout: how (:data:`PROMPT_LAYOUTS`, see :func:`decoder_hidden`); ``"auto"`` picks the cheaper.
+        tied_weight: a tied embedding / LM-head weight accumulates its gradient in kept memory where
+            :class:`~ragen.train.tied_embedding.TiedWeight` applies (False: autograd's path, for comparisons).
     """
     base = base_model(model)
     # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
     # whose backward recomputes the layers after this block has switched the implementation back
-    with train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))):
+    # a tied embedding / LM-head weight accumulates its gradient in kept memory (ragen/train/tied_embedding.py)
+    with (train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))),
+          tied_weight_for(base, enabled=tied_weight) as tied):
         hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths, prompt_layout)  # (B, L, H)
     where = response_mask.bool()  # (B, T)
     h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
     targets = input_ids[:, 1:][where]  # (N,)
-    head = base.get_output_embeddings()
+    head = tied.head if tied is not None else base.get_output_embeddings()
     logp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk_size):
         logits = head(h[start : start + chunk_size])  # (n, V), bf16 under autocast
