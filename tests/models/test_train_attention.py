@@ -236,3 +236,25 @@ def test_a_model_without_a_layers_list_still_trains():
     out = policy_forward(model, ids, torch.ones_like(ids), response)
     (-(out.logprobs * response).sum()).backward()
     assert model.transformer.wte.weight.grad is not None
+
+
+def test_a_boolean_mask_gives_masked_fills_values_and_gradients_bit_for_bit():
+    """The boolean mask is applied as an additive (0 | lowest) bias: the same bits as masked_fill(~mask, lowest)
+    (lowest + score rounds to lowest; a masked key's probability is exactly 0, so is its score's gradient). A
+    query with every key masked (padding) gets the same values, but a gradient where masked_fill's is zero; in a
+    model no loss reaches such a row (its hidden state is padding), so its upstream gradient is zero either way."""
+    q, k, v = qkv(queries=7, length=11)
+    mask = padding_mask(3, 7, 11)
+    lowest = torch.finfo(torch.float32).min
+
+    def masked_fill_version(q, k, v):
+        B, H, Q, D = q.shape
+        kv, L = k.shape[1], k.shape[2]
+        scores = torch.matmul(q.reshape(B, kv, H // kv * Q, D), k.transpose(-1, -2)).mul_(0.3).view(B, kv, H // kv, Q, L)
+        probs = torch.softmax(scores.masked_fill(~mask[:, :, None], lowest), -1).view(B, kv, H // kv * Q, L)
+        return torch.matmul(probs, v).view(B, H, Q, -1).transpose(1, 2).contiguous()
+
+    got = values_and_grads(lambda q, k, v: grouped_attention(q, k, v, mask, 0.3), q, k, v)
+    expected = values_and_grads(masked_fill_version, q, k, v)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
