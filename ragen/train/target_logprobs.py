@@ -14,7 +14,7 @@ cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 r
 49 152-token vocabulary), whose first touch costs a page fault per 4 KiB on the CPU. Here the only
 ``(n, V)`` tensor created is the gradient itself, in the logits' dtype (and not even that with
 ``overwrite_logits``, which stores it in the logits' memory); the fp32 work runs
-:data:`ROWS` rows at a time in one reused buffer, and the backward needs only the logits themselves
+:data:`ROWS` rows at a time in one reused buffer (kept between calls on the CPU), and the backward needs only the logits themselves
 (saved here: ``(n, V)`` bf16 under autocast, half the fp32 log-softmax the plain path saves) and ``lse``
 (``n`` floats). The backward is not itself differentiable (no double backward). ``docs/performance.md``, "Target log-probs with a hand-written backward".
 """
@@ -25,6 +25,23 @@ import torch
 
 #: Rows per fp32 block (a 128 × 49 152 fp32 block is 25 MB).
 ROWS = 128
+
+#: The CPU block buffers, kept between calls (by device, dtype and role): allocated afresh for every forward and
+#: backward, a 25 MB block lands on pages the kernel faults in first (~19 ms a copy into it against ~4 warm, in the
+#: main job's update). ragen runs its forward and backward passes on one thread, one at a time.
+_KEPT: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+
+
+def _block_buffer(like: torch.Tensor, rows: int, dtype: torch.dtype, role: str) -> torch.Tensor:
+    """A ``(rows, V)`` ``dtype`` buffer; on the CPU a view of one kept, growing allocation per ``role``."""
+    V = like.shape[1]
+    if like.device.type != "cpu":
+        return like.new_empty((rows, V), dtype=dtype)
+    key = (str(like.device), dtype, role)
+    flat = _KEPT.get(key)
+    if flat is None or flat.numel() < rows * V:
+        flat = _KEPT[key] = torch.empty(rows * V, dtype=dtype, device=like.device)
+    return flat[: rows * V].view(rows, V)
 
 
 def _blocks(n: int):
@@ -52,8 +69,8 @@ class TargetLogProbs(torch.autograd.Function):
                 overwrite: bool = False):
         n, V = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (or fp64 for a gradcheck)
-        buffer = logits.new_empty((min(ROWS, n), V), dtype=dtype)
-        spare = torch.empty_like(buffer) if with_entropy else None
+        buffer = _block_buffer(logits, min(ROWS, n), dtype, "block")
+        spare = _block_buffer(logits, min(ROWS, n), dtype, "spare") if with_entropy else None
         lse = logits.new_empty(n, dtype=dtype)
         logp = logits.new_empty(n, dtype=dtype)
         entropy = logits.new_empty(n if with_entropy else 0, dtype=dtype)
@@ -89,7 +106,7 @@ class TargetLogProbs(torch.autograd.Function):
         # buffer before its gradient is written back, and the write bumps the logits' version counter,
         # so a second backward through this node (retain_graph) raises instead of reading gradients.
         grad = logits.detach() if ctx.overwrite else torch.empty_like(logits)
-        buffer = logits.new_empty((min(ROWS, logits.shape[0]), logits.shape[1]), dtype=lse.dtype)
+        buffer = _block_buffer(logits, min(ROWS, logits.shape[0]), lse.dtype, "block")
         g = grad_logp.to(lse.dtype)
         for start, end in _blocks(logits.shape[0]):
             z = _scaled_block(buffer, logits, start, end, T)  # (k, V) z/T

@@ -134,3 +134,22 @@ def test_policy_forward_gives_the_autograd_paths_logprobs_loss_and_gradients(tin
         err = (fused_grads[name] - grad).abs().max().item() / scale
         worst = max(worst, err)
     assert worst < 1e-4  # measured ~3e-7 (fp32) and ~1e-6 (autocast): both paths start from the same logits
+
+
+def test_the_cpu_block_buffers_are_kept_and_calls_do_not_disturb_each_other():
+    """Forward and backward reuse one kept fp32 block per role; a second call (other sizes, entropy) between a
+    forward and its backward changes neither result."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(300, 97, generator=g).requires_grad_()
+    b = torch.randn(20, 131, generator=g).requires_grad_()
+    targets_a, targets_b = torch.randint(0, 97, (300,), generator=g), torch.randint(0, 131, (20,), generator=g)
+    expected = torch.autograd.grad(torch.log_softmax(a, -1).gather(1, targets_a[:, None]).sum(), a)[0]
+    logp, _ = target_logprobs(a, targets_a)
+    other, entropy = target_logprobs(b, targets_b, with_entropy=True)  # a wider vocabulary: the block grows
+    torch.testing.assert_close(entropy, -(torch.softmax(b, -1) * torch.log_softmax(b, -1)).sum(-1).detach())
+    (grad,) = torch.autograd.grad(logp.sum(), a)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    kept = target_module._KEPT[("cpu", torch.float32, "block")].data_ptr()
+    target_logprobs(a, targets_a)
+    target_logprobs(b, targets_b, with_entropy=True)
+    assert target_module._KEPT[("cpu", torch.float32, "block")].data_ptr() == kept  # no new block once large enough
