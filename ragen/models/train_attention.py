@@ -65,7 +65,8 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             mask = mask[:, :, None] if mask.dim() == 4 else mask  # (B or 1, 1, q, L) -> (B or 1, 1, 1, q, L): every head
             if mask.dtype == torch.bool:
                 # as masked_fill(~mask, lowest), bit for bit while |score| < 1e31 (lowest + score rounds to lowest),
-                # and 10x+ faster: masked_fill broadcasting a (B, 1, 1, q, L) mask ran at ~4 GB/s here
+                # and 10x+ faster: masked_fill broadcasting a (B, 1, 1, q, L) mask ran at ~4 GB/s here. (A NaN or
+                # inf score at a masked key now stays, as with an additive float mask; masked_fill replaced it.)
                 mask = (mask.float() - 1).mul_(-lowest)  # 0 where attended, lowest elsewhere
             scores = scores + mask.float()
         probs = torch.softmax(scores, dim=-1).view(B, kv_heads, g * Q, L)  # (B, H_kv, g·q, L)

@@ -35,8 +35,8 @@ _KEPT: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
 def _block_buffer(like: torch.Tensor, rows: int, dtype: torch.dtype, role: str) -> torch.Tensor:
     """A ``(rows, V)`` ``dtype`` buffer; on the CPU a view of one kept, growing allocation per ``role``."""
     V = like.shape[1]
-    if like.device.type != "cpu":
-        return like.new_empty((rows, V), dtype=dtype)
+    if like.device.type != "cpu" or torch.is_inference_mode_enabled():  # an inference tensor kept would refuse
+        return like.new_empty((rows, V), dtype=dtype)                   # later in-place writes outside the mode
     key = (str(like.device), dtype, role)
     flat = _KEPT.get(key)
     if flat is None or flat.numel() < rows * V:

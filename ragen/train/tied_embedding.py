@@ -26,11 +26,16 @@ per micro-batch, whose cost on a VM varies with the host (``docs/performance.md`
 - ``W.grad``, when ``None`` (after ``zero_grad(set_to_none=True)``), becomes one kept fp32 buffer,
   zeroed in place. A caller that holds on to an earlier step's ``W.grad`` therefore sees it reused.
 
+The gradient goes into ``W.grad`` by side effect, as ``loss.backward()`` does, which is how ragen's trainers use
+it; ``torch.autograd.grad(loss, inputs)`` or ``backward(inputs=...)`` without ``W`` among the inputs would still
+add into ``W.grad`` here.
+
 The result is what autograd computes up to the order of fp32 additions. It applies only where that
 is all that changes (:meth:`TiedWeight.of`): a plain ``nn.Embedding`` (no ``max_norm``,
 ``scale_grad_by_freq`` or sparse gradient) whose weight is the bias-free ``nn.Linear`` head's, a
-trainable fp32 CPU tensor (not FSDP's ``DTensor``), with autograd on. Everything else takes
-autograd's path. :func:`~ragen.train.logprobs.policy_forward` uses it for every update and SFT step.
+trainable fp32 CPU tensor (not FSDP's ``DTensor``) without tensor hooks (``W.register_hook``: they would see
+no gradient), an embedding without an instance ``forward`` of someone else's, with autograd on. Everything else
+takes autograd's path. :func:`~ragen.train.logprobs.policy_forward` uses it for every update and SFT step.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class TiedWeight:
     def __init__(self, embedding: torch.nn.Embedding):
         self._weight = weakref.ref(embedding.weight)
         self.padding_idx = embedding.padding_idx
+        self.shape = embedding.weight.shape  # the buffers' (V, H)
         self._cast: torch.Tensor | None = None  # (V, H) compute dtype, refreshed per head call
         self._block: torch.Tensor | None = None  # (ROWS, H) compute dtype: one block of a head call's gᵀh
         self._grad: torch.Tensor | None = None  # (V, H) W's dtype: what W.grad is set to when None
@@ -66,9 +72,12 @@ class TiedWeight:
             return False  # subclasses may scale or do more in forward (Gemma's scaled embedding)
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             return False
+        if "forward" in vars(embedding):
+            return False  # someone else's instance forward (an accelerate hook, another switch): leave it alone
         weight = embedding.weight
         return (head.weight is weight and weight.requires_grad and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and type(weight.data) is torch.Tensor)
+                and weight.device.type == "cpu" and type(weight.data) is torch.Tensor
+                and not weight._backward_hooks)  # tensor hooks on W would see no gradient through this path
 
     @classmethod
     def of(cls, base) -> "TiedWeight | None":
@@ -79,9 +88,11 @@ class TiedWeight:
         embedding = base.get_input_embeddings()
         key = id(embedding.weight)
         tied = _KEPT.get(key)
-        if tied is None or tied._weight() is not embedding.weight or tied.padding_idx != embedding.padding_idx:
-            if tied is None or tied._weight() is not embedding.weight:
-                weakref.finalize(embedding.weight, _KEPT.pop, key, None)
+        if tied is None or tied._weight() is not embedding.weight:
+            weakref.finalize(embedding.weight, _KEPT.pop, key, None)
+            tied = None
+        # a new padding row, or W's data swapped in place (resize_token_embeddings keeps the Parameter)
+        if tied is None or tied.padding_idx != embedding.padding_idx or tied.shape != embedding.weight.shape:
             tied = _KEPT[key] = cls(embedding)
         return tied
 

@@ -153,3 +153,17 @@ def test_the_cpu_block_buffers_are_kept_and_calls_do_not_disturb_each_other():
     target_logprobs(a, targets_a)
     target_logprobs(b, targets_b, with_entropy=True)
     assert target_module._KEPT[("cpu", torch.float32, "block")].data_ptr() == kept  # no new block once large enough
+
+
+def test_a_first_call_under_inference_mode_does_not_poison_later_training_calls(monkeypatch):
+    monkeypatch.setattr(target_module, "_KEPT", {})
+    g = torch.Generator().manual_seed(6)
+    logits, targets = torch.randn(10, 33, generator=g), torch.randint(0, 33, (10,), generator=g)
+    with torch.inference_mode():
+        target_logprobs(logits, targets)
+    trained = logits.clone().requires_grad_()
+    logp, _ = target_logprobs(trained, targets)
+    logp.sum().backward()  # raised "Inplace update to inference tensor outside InferenceMode" with a kept inference block
+    plain = logits.clone().requires_grad_()
+    torch.log_softmax(plain, -1).gather(1, targets[:, None]).sum().backward()
+    torch.testing.assert_close(trained.grad, plain.grad, rtol=1e-5, atol=1e-6)

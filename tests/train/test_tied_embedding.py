@@ -149,3 +149,51 @@ def test_a_weight_changed_before_the_backward_raises(model):
         model.get_input_embeddings().weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.logprobs.sum().backward()
+
+
+def test_optimizer_steps_between_passes_match_autograds_run(model):
+    """Three SGD steps under bf16 autocast, zero_grad(set_to_none=True) between them: the kept cast must follow W
+    (refreshed per forward) and the kept W.grad must start at zero each step, as autograd's path does. (SGD: an
+    update linear in the gradient; Adam's first steps turn rounding-level differences in near-zero gradients into
+    visible ones.)"""
+    plain, _ = load_tiny(seed=3)
+    plain.train()
+    ids, mask, response = rows(model)
+    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, plain)}
+    for step in range(3):
+        grads = {}
+        for m, tied in ((model, True), (plain, False)):
+            optimizers[m].zero_grad(set_to_none=True)
+            for weight in (1.0, 2.0):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = policy_forward(m, ids, mask, response, tied_weight=tied)
+                    loss = -weight * (out.logprobs * response).sum() / response.sum()
+                loss.backward()
+            grads[tied] = [p.grad.clone() for p in m.parameters()]
+            optimizers[m].step()
+        for (name, _), a, b in zip(model.named_parameters(), grads[True], grads[False]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resized_vocabulary_gets_new_buffers(model):
+    """resize_token_embeddings keeps the Parameter and swaps its data: the kept buffers follow the new shape."""
+    gradients(model, tied=True, autocast=True)
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+    expected = gradients(model, tied=False, autocast=True)
+    got = gradients(model, tied=True, autocast=True)
+    assert got["model.embed_tokens.weight"].shape[0] == model.config.vocab_size
+    torch.testing.assert_close(got["model.embed_tokens.weight"], expected["model.embed_tokens.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_hooks_and_foreign_forwards_keep_autograds_path(model):
+    weight = model.get_input_embeddings().weight
+    handle = weight.register_hook(lambda grad: grad * 2)
+    assert not TiedWeight.applies(model)
+    handle.remove()
+    assert TiedWeight.applies(model)
+    embedding = model.get_input_embeddings()
+    embedding.forward = lambda ids: torch.nn.functional.embedding(ids, embedding.weight)  # e.g. an accelerate hook
+    assert not TiedWeight.applies(model)
+    del embedding.forward
