@@ -26,7 +26,7 @@ from ragen.train import trainer as trainer_module
 from ragen.train.logprobs import decoder_hidden, policy_forward
 from ragen.train.trainer import StarPOTrainer
 
-from tests.train.test_end_to_end import shared_prompt_trajectories
+from tests.train.trajectories import shared_prompt_trajectories
 
 
 def batch(vocab: int):
@@ -161,7 +161,7 @@ def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeyp
 
 def test_shared_prompts_fall_back_to_full_rows_on_a_checkpointed_model(tiny, tokenizer):
     """decoder_hidden itself refuses the prompt cache on a checkpointed model in training mode."""
-    from tests.train.test_end_to_end import _batch_with_shared_prompts
+    from tests.train.trajectories import _batch_with_shared_prompts
 
     model = copy.deepcopy(tiny[0])
     enable_checkpointing(model)

@@ -5,8 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -18,26 +17,7 @@ from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
 from ragen.models.packed_linear import packing_available
 
-SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-
-
-def small_model(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SMALL))
-    elif kind == "llama_bias":  # biases on q/k/v and o
-        model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True))
-    elif kind == "qwen2":  # biases on q/k/v only
-        model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
-    else:
-        raise ValueError(kind)
-    for p in model.parameters():  # biases start at zero: give them values so they count
-        if p.dim() == 1 and not p.any():
-            p.data.normal_(0, 0.1)
-    return model.eval()
+from tests.models.small_models import SMALL, small_model
 
 
 def padded_batch(seed: int = 0, batch: int = 4, width: int = 13, pads=(0, 3, 0, 7)):

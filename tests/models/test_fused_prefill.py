@@ -11,7 +11,7 @@ from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.fused_decode import FusedWeights, decoder_stack
 from ragen.models.fused_prefill import attention_mask_4d, prefill
 from ragen.models.growing_cache import make_growing
-from tests.models.test_fused_decode import SMALL, small_model
+from tests.models.small_models import SMALL, small_model
 
 SMALL_VOCAB = SMALL["vocab_size"]
 

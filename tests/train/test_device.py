@@ -27,7 +27,7 @@ from ragen.train.batch import TrainBatch
 from ragen.train.logprobs import policy_forward
 from ragen.train.trainer import StarPOTrainer, UpdateTargets
 
-from tests.train.test_end_to_end import shared_prompt_trajectories
+from tests.train.trajectories import shared_prompt_trajectories
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

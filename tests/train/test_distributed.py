@@ -9,44 +9,18 @@ this machine), a forked one inherits the trainer built once here. They meet over
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragen.config import load_config
-from ragen.train.batch import TrainBatch
 from ragen.train.distributed import reduce_metrics, shard
-from ragen.train.trainer import StarPOTrainer, UpdateTargets
+from ragen.train.trainer import StarPOTrainer
 
-WORLD = 2
-#: Rows: (prompt id, prompt length, response length). Rank 0 gets rows 0-2 (short answers),
-#: rank 1 rows 3-4 (long answers): 3 + 4 + 2 = 9 tokens against 14 + 11 = 25.
-ROWS = [(0, 6, 3), (0, 6, 4), (1, 5, 2), (1, 5, 14), (2, 7, 11)]
-
-
-def synthetic_batch() -> tuple[TrainBatch, UpdateTargets]:
-    g = torch.Generator().manual_seed(0)
-    prompts = {p: torch.randint(3, 2000, (n,), generator=g) for p, n, _ in ROWS}
-    B, L = len(ROWS), max(n + r for _, n, r in ROWS)
-    input_ids = torch.full((B, L), 2, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
-    response_mask = torch.zeros((B, L - 1))
-    for b, (p, n, r) in enumerate(ROWS):
-        input_ids[b, :n] = prompts[p]
-        input_ids[b, n : n + r] = torch.randint(3, 2000, (r,), generator=g)
-        attention_mask[b, : n + r] = 1
-        response_mask[b, n - 1 : n + r - 1] = 1  # target t scores token t + 1
-    zeros = torch.zeros((B, L - 1))
-    batch = TrainBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, token_rewards=zeros,
-        turn_rewards=zeros, turn_ends=zeros.bool(), group_ids=torch.tensor([p for p, _, _ in ROWS]),
-        scores=torch.zeros(B), anchor_ids=torch.full((B, L - 1), -1), step_returns=zeros,
-    )
-    advantages = torch.randn((B, L - 1), generator=g) * response_mask
-    return batch, UpdateTargets(advantages=advantages, returns=zeros.clone())
+from tests.train.distributed_helpers import (
+    WORLD, _free_port, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,31 +41,6 @@ def snapshot(trainer) -> dict:
     }
 
 
-def assert_grads_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Gradients equal up to fp32 summation order. The absolute tolerance is scaled to the tensor's
-    largest entry: entries that are sums of cancelling terms carry rounding of the terms' size
-    (2.3e-7 absolute seen on another CPU, in a tensor whose largest entry is 0.077), which no
-    fixed atol fits on every machine. Averaging instead of summing is off by > 5 % of that entry."""
-    scale = float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=max(1e-5 * scale, 1e-12))
-
-
-def assert_adam_steps_close(actual: torch.Tensor, expected: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-    """Adam's first step moves each weight by ~lr * g / (|g| + eps): a sign, except where |g| is near
-    eps (1e-8), where summation-order rounding of g legitimately moves the step anywhere in
-    [-lr, lr]. So: entries with |g| well above eps must match tightly (a wrong gradient flips
-    signs, a 2 * lr difference); the rest only have to stay within one lr step."""
-    sure = grad.abs() > 1e-6
-    torch.testing.assert_close(actual[sure], expected[sure], rtol=1e-3, atol=1e-6)
-    assert float((actual - expected).abs().max()) <= 2 * lr * 1.01
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_step(rank, port, trainer, batch, targets, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -100,10 +49,6 @@ def _rank_step(rank, port, trainer, batch, targets, out_dir):
         torch.save({**snapshot(trainer), "metrics": metrics}, out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _run_ranks(fn, *args) -> None:
-    mp.start_processes(fn, args=(_free_port(), *args), nprocs=WORLD, start_method="fork", join=True)
 
 
 def single_step(trainer, batch, targets) -> tuple[dict, dict]:

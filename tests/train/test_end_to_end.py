@@ -4,10 +4,11 @@ import json
 
 import torch
 
-from ragen.agent.trajectory import Trajectory, Turn
 from ragen.cli import main
 from ragen.config import load_config
 from ragen.train.trainer import StarPOTrainer
+
+from tests.train.trajectories import _batch_with_shared_prompts, _trajectory
 
 REQUIRED = ["step", "train/reward_mean", "train/reward_std", "train/success", "train/format_valid",
             "actor/entropy", "actor/grad_norm", "time/step_s"]
@@ -37,17 +38,6 @@ def test_sokoban_multi_turn_tiny_run(tmp_path):
                  "trainer.val_episodes=2", "trainer.progress_bar=false"]) == 0
 
 
-def _trajectory(tokenizer, group: int, reply: str, reward: float) -> Trajectory:
-    prompt = tokenizer("<|im_start|>user\nArms: A, B<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    answer = tokenizer(reply, add_special_tokens=False)["input_ids"]
-    traj = Trajectory(env_name="bandit", group_id=group, seed=group)
-    traj.input_ids = prompt + answer
-    traj.loss_mask = [0] * len(prompt) + [1] * len(answer)
-    traj.turn_spans = [(len(prompt), len(traj.input_ids))]
-    traj.turns = [Turn(reply, ["A"], True, reward, 0.0)]
-    return traj
-
-
 def test_update_moves_every_trainable_parameter(tmp_path):
     config = load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path}", "optim.lr=1e-3", "trainer.val_episodes=1"])
     trainer = StarPOTrainer(config)
@@ -68,26 +58,6 @@ def test_lora_trains_only_adapters(tmp_path):
     trainer.update([_trajectory(trainer.tokenizer, 0, "<answer>A</answer>", 1.0), _trajectory(trainer.tokenizer, 0, "<answer>B</answer>", 0.0)])
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_B" in n or "lora_A" in n for n in changed)
-
-
-def _batch_with_shared_prompts(tokenizer):
-    from ragen.train.batch import collate
-
-    return collate(shared_prompt_trajectories(tokenizer), tokenizer.pad_token_id)
-
-
-def shared_prompt_trajectories(tokenizer) -> list[Trajectory]:
-    """2 groups x 3 one-turn episodes; each group's rows share a prompt, the groups' prompts differ in length."""
-    trajs = []
-    for group, arms in enumerate(["Gambler, Clerk", "Pirate, Baker, and a much longer prompt here"]):
-        for reply in ["<answer>Gambler</answer>", "<answer>Clerk</answer>", "<answer>no</answer>"]:
-            t = _trajectory(tokenizer, group, reply, float(len(reply)))
-            prompt = tokenizer(f"<|im_start|>user\nArms: {arms}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-            answer = t.input_ids[t.turn_spans[0][0]:]
-            t.input_ids, t.loss_mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
-            t.turn_spans = [(len(prompt), len(t.input_ids))]
-            trajs.append(t)
-    return trajs
 
 
 def test_shared_prompt_pass_equals_the_plain_pass(tiny):

@@ -20,7 +20,7 @@ from ragen.models.freeze import decoder_layers
 from ragen.train.distributed import micro_batch_count, shard
 from ragen.train.fsdp import full_tensor
 from ragen.train.trainer import StarPOTrainer
-from tests.train.test_distributed import (
+from tests.train.distributed_helpers import (
     WORLD, _free_port, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
 )
 

@@ -6,7 +6,7 @@ from ragen.config import load_config
 from ragen.train import trainer as trainer_module
 from ragen.train.trainer import StarPOTrainer, group_contiguous
 
-from tests.train.test_end_to_end import shared_prompt_trajectories
+from tests.train.trajectories import shared_prompt_trajectories
 
 
 def test_group_contiguous_keeps_the_rows_and_the_shuffled_group_order():

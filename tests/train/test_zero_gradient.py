@@ -8,7 +8,7 @@ import torch
 from ragen.config import load_config
 from ragen.train.trainer import StarPOTrainer
 
-from tests.train.test_end_to_end import shared_prompt_trajectories
+from tests.train.trajectories import shared_prompt_trajectories
 
 BASE = ["model=tiny", "trainer.val_episodes=1", "optim.lr=1e-3", "optim.weight_decay=0.01",
         "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=3", "algorithm.micro_batch_size=2"]
