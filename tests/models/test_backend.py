@@ -5,18 +5,13 @@ import torch
 
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, Prefilled, SamplingParams
+from tests.models.prompts import prompts_with_groups, templated_prompts
 
 
 @pytest.fixture(scope="module")
 def backend():
     model, tokenizer = load_model("tiny")
     return HFBackend(model, tokenizer, precision="fp32")
-
-
-def prompts_with_groups(tokenizer):
-    texts = ["The arms are Apple and Stuntman.", "Sokoban: push the box X onto the target O, please now.", "Hi"]
-    ids = [tokenizer(t)["input_ids"] for t in texts]
-    return [ids[0]] * 3 + [ids[1]] * 2 + [ids[2]] + [ids[0]]  # 7 rows, 3 distinct prompts of different lengths
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -65,15 +60,6 @@ def test_shared_prefill_caches_one_pass_per_distinct_prompt(backend):
     finally:
         handle.remove()
     assert seen == [torch.Size([2, width - 1])] and cache.get_seq_length() == width - 1
-
-
-def templated_prompts(tokenizer, grouped: bool = True):
-    """Distinct prompts from one template: a long common prefix, then differing states of different lengths."""
-    head = ("System: you play a game. Rules: move the box onto the target; answer with one action. "
-            "Walls block you; boxes move only when pushed. Every move costs a little; a solved level pays. State:")
-    ids = [tokenizer(head + s)["input_ids"] for s in [" box left", " the box is far to the right of you", " wall"]]
-    rows = [ids[0]] * 2 + [ids[1]] * 2 + [ids[2]] * 2
-    return rows if grouped else rows[::2] + rows[1::2]
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

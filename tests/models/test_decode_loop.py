@@ -76,7 +76,7 @@ def test_every_row_finished_ends_the_loop_early(tiny, monkeypatch):
 
 
 def test_kept_caches_through_the_loop_play_the_same_multi_turn_tokens(tiny):
-    from tests.models.test_prefix_cache import play
+    from tests.models.rollouts import play
 
     runs = {}
     for on in (True, False):

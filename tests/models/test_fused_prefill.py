@@ -137,7 +137,7 @@ def test_backend_in_bf16_takes_every_lever_and_its_first_logits_are_as_close_to_
     import ragen.models.backend as backend_module
     import ragen.models.fused_decode as fused_decode
     from ragen.models.packed_linear import packing_available
-    from tests.models.test_backend import templated_prompts
+    from tests.models.prompts import templated_prompts
 
     model, tokenizer = tiny
     prompts = templated_prompts(tokenizer)  # a common prefix, rows in consecutive groups of a prompt
@@ -179,7 +179,7 @@ def test_backend_in_bf16_takes_every_lever_and_its_first_logits_are_as_close_to_
 def test_first_token_from_the_prefills_logits_samples_what_a_first_decode_step_samples(tiny, do_sample, layout):
     """``first_from_prefill``: the prefill also runs each distinct prompt's last token and the loop samples the first
     token from those logits: one decode step fewer, the same tokens (fp32) as feeding that token in a decode step."""
-    from tests.models.test_backend import prompts_with_groups, templated_prompts
+    from tests.models.prompts import prompts_with_groups, templated_prompts
 
     model, tokenizer = tiny
     prompts = templated_prompts(tokenizer) if layout == "common prefix" else prompts_with_groups(tokenizer)
@@ -258,7 +258,7 @@ def test_backend_prefills_in_column_chunks_and_samples_the_same_tokens(tiny, mon
     """Both prefill paths chunk long passes by columns: the same tokens (fp32) as one pass, on turn 1 and on a resumed
     turn 2, with the passes really split."""
     import ragen.models.fused_prefill as fused_prefill
-    from tests.models.test_backend import prompts_with_groups
+    from tests.models.prompts import prompts_with_groups
 
     model, tokenizer = tiny
     prompts = prompts_with_groups(tokenizer)

@@ -9,6 +9,7 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import output_cache, with_cache
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
+from tests.models.rollouts import play
 
 
 def entry(tokens, length_marker=0.0):
@@ -73,18 +74,6 @@ def test_a_budget_refuses_entries_that_do_not_fit_and_take_frees_their_bytes():
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny")
-
-
-def play(tiny, reuse_kv, *, do_sample, settings=None, seeds=(1, 1, 1, 2, 2, 3), max_bytes=None, common_prefix=True):
-    model, tokenizer = tiny
-    backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=reuse_kv, reuse_kv_max_bytes=max_bytes,
-                        common_prefix=common_prefix)
-    settings = settings or AgentSettings(max_turn=4, max_actions_per_turn=2)
-    sampling = SamplingParams(max_new_tokens=20, do_sample=do_sample, temperature=1.0, stop=("</answer>",))
-    rollout = Rollout(backend, tokenizer, settings, sampling)
-    torch.manual_seed(0)
-    trajs = rollout.run([make("sokoban") for _ in seeds], list(seeds), [0, 0, 0, 1, 1, 2][: len(seeds)], "sokoban")
-    return trajs, backend
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
