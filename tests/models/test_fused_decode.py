@@ -365,3 +365,24 @@ def test_grouped_steps_stop_when_a_step_went_elsewhere_or_an_own_column_is_paddi
     padding[1, ..., 5] = True  # an own column masked out
     assert not prefix.grouped_step(5, padding)
     assert not SharedPrefix.from_layers([_Layer(k, k.bfloat16())], 2, padding=None).grouped_step(5, None)  # no capacity
+
+
+def test_rotary_and_rms_norm_are_transformers_bit_for_bit():
+    """The fused passes' rotary embedding and RMS norm compute transformers' Llama operations exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from ragen.models.fused_decode import _rms_norm, _rotate
+
+    g = torch.Generator().manual_seed(11)
+    for scale in (1e-3, 1.0, 1e3):
+        q = torch.randn(5, 9, 7, 64, generator=g) * scale  # (B, heads, T, D)
+        cos, sin = torch.randn(5, 7, 64, generator=g), torch.randn(5, 7, 64, generator=g)  # (B, T, D)
+        expected, _ = apply_rotary_pos_emb(q, q, cos, sin)  # unsqueezes cos/sin at dim 1
+        got = _rotate(q.transpose(1, 2), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
+        assert torch.equal(got, expected)
+        for dtype in (torch.float32, torch.bfloat16):
+            norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(64, generator=g))
+            h = (torch.randn(6, 3, 64, generator=g) * scale).to(dtype)
+            assert torch.equal(_rms_norm(h, norm.weight.detach(), 1e-6), norm(h).detach()), (scale, dtype)
