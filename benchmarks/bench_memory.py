@@ -127,11 +127,6 @@ class StageRecorder:
                        max_bytes=out.numel() * out.element_size())
 
 
-def _observed(rec: "StageRecorder", logits):
-    rec.lm_head_hook(None, None, logits)
-    return logits
-
-
 def touch(model) -> None:
     """Read every parameter once, so memory-mapped weights are resident (what the first forward pass does)."""
     import torch
@@ -161,7 +156,6 @@ def run_child(args) -> dict:
     from ragen.models import load_model
     from ragen.models.lora import base_model
     from ragen.train import logprobs
-    from ragen.train.tied_embedding import TiedWeight
     from ragen.train.trainer import StarPOTrainer
 
     rec.end("imports (torch, transformers, ragen)")
@@ -203,15 +197,9 @@ def run_child(args) -> dict:
             rec.end(f"step {step} rollout", episodes=len(trajectories), fused_decode_steps=steps())
             shape = batch_shape(trajectories, config.algorithm.micro_batch_size)
             # hooked only in the update: a hooked model would decode through transformers' modules, not the fused step
-            # (a tied, trained head runs as TiedWeight.head, not as the module: ragen/train/tied_embedding.py)
             handle = head.register_forward_hook(rec.lm_head_hook)
-            tied_head = TiedWeight.head
-            TiedWeight.head = lambda self, hidden: _observed(rec, tied_head(self, hidden))
-            try:
-                metrics = trainer.update(trajectories)
-            finally:
-                handle.remove()
-                TiedWeight.head = tied_head
+            metrics = trainer.update(trajectories)
+            handle.remove()
             rec.end(f"step {step} update", shape=shape, loss=metrics.get("actor/loss"))
     return {**info, "stages": rec.stages, "params": n, "trainable": trainable, "can_reset": rec.can_reset}
 

@@ -138,35 +138,18 @@ class Probe:
         trainer.optimizer.register_step_post_hook(lambda *a: self._add("optimizer_s"))
 
     def attach(self) -> None:
-        """Hook the decoder and the LM head (the update's passes): the head module, and a tied, trained head's
-        :meth:`~ragen.train.tied_embedding.TiedWeight.head`, which runs instead of the module."""
-        from ragen.train.tied_embedding import TiedWeight
-
+        """Hook the decoder and the LM head (the update's passes)."""
         self.handles = [self.decoder.register_forward_pre_hook(self._dec_pre, with_kwargs=True),
                         self.decoder.register_forward_hook(self._dec_post),
                         self.head.register_forward_pre_hook(self._t_pre),
                         self.head.register_forward_hook(self._head_post)]
-        self._tied_head = TiedWeight.head
-
-        def observed(tied, hidden):
-            self._t_pre()
-            logits = self._tied_head(tied, hidden)
-            self._head_post(None, None, logits)
-            return logits
-
-        TiedWeight.head = observed
 
     def detach(self) -> None:
-        """Remove the hooks: generation runs unhooked, as in ``ragen train`` (a hooked model keeps
+        """Remove the module hooks: generation runs unhooked, as in ``ragen train`` (a hooked model keeps
         transformers' modules for its decode steps, ragen.models.fused_decode)."""
-        from ragen.train.tied_embedding import TiedWeight
-
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        if getattr(self, "_tied_head", None) is not None:
-            TiedWeight.head = self._tied_head
-            self._tied_head = None
 
     def reset(self) -> None:
         self.c = {k: 0.0 for k in ("prefill_tokens", "prefill_computed", "prefill_s", "decode_tokens", "decode_computed",

@@ -220,16 +220,34 @@ def policy_forward(
             :class:`~ragen.train.tied_embedding.TiedWeight` applies (False: autograd's path, for comparisons).
     """
     base = base_model(model)
-    # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
-    # whose backward recomputes the layers after this block has switched the implementation back
-    # a tied embedding / LM-head weight accumulates its gradient in kept memory (ragen/train/tied_embedding.py)
-    with (train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))),
-          tied_weight_for(base, enabled=tied_weight) as tied):
-        hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths, prompt_layout)  # (B, L, H)
-    where = response_mask.bool()  # (B, T)
-    h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
-    targets = input_ids[:, 1:][where]  # (N,)
-    head = tied.head if tied is not None else base.get_output_embeddings()
+    # a tied embedding / LM-head weight accumulates its gradient in kept memory (ragen/train/tied_embedding.py):
+    # within this block both modules' calls take that path
+    with tied_weight_for(base, enabled=tied_weight):
+        # grouped fp32 attention where it fits (ragen/models/train_attention.py); not on a checkpointed model,
+        # whose backward recomputes the layers after this block has switched the implementation back
+        with train_attention_for(model, enabled=not (torch.is_grad_enabled() and is_checkpointing(model))):
+            hidden = decoder_hidden(model, input_ids, attention_mask, prompt_lengths, prompt_layout)  # (B, L, H)
+        where = response_mask.bool()  # (B, T)
+        h = hidden[:, :-1][where]  # (N, H) hidden states that predict a response token
+        targets = input_ids[:, 1:][where]  # (N,)
+        logp_parts, ent_parts = _head_logprobs(base.get_output_embeddings(), h, targets, temperature, with_entropy,
+                                               entropy_grad, chunk_size)
+
+    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
+
+    return PolicyOutput(
+        logprobs=scatter(logp_parts),
+        entropy=scatter(ent_parts) if with_entropy else None,
+        values=scatter([value_head(h).float()]) if value_head is not None else None,
+    )
+
+
+def _head_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                   entropy_grad: bool, chunk_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`policy_forward`'s LM head on ``h`` ``(N, H)`` in chunks of ``chunk_size`` rows: per chunk ``log π(target)``
+    ``(n,)`` and, with ``with_entropy``, the entropy ``(n,)``."""
     logp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk_size):
         logits = head(h[start : start + chunk_size])  # (n, V), bf16 under autocast
@@ -247,16 +265,7 @@ def policy_forward(
             logp_parts.append(logp)
             if with_entropy:
                 ent_parts.append(entropy)
-
-    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
-        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
-
-    return PolicyOutput(
-        logprobs=scatter(logp_parts),
-        entropy=scatter(ent_parts) if with_entropy else None,
-        values=scatter([value_head(h).float()]) if value_head is not None else None,
-    )
+    return logp_parts, ent_parts
 
 
 def token_logprobs(model, input_ids, attention_mask, response_mask, *, temperature=1.0, with_entropy=False, chunk_size=1024):

@@ -34,7 +34,7 @@ The result is what autograd computes up to the order of fp32 additions. It appli
 is all that changes (:meth:`TiedWeight.of`): a plain ``nn.Embedding`` (no ``max_norm``,
 ``scale_grad_by_freq`` or sparse gradient) whose weight is the bias-free ``nn.Linear`` head's, a
 trainable fp32 CPU tensor (not FSDP's ``DTensor``) without tensor hooks (``W.register_hook``: they would see
-no gradient), an embedding without an instance ``forward`` of someone else's, with autograd on. Everything else
+no gradient), an embedding and head without an instance ``forward`` of someone else's, with autograd on. Everything else
 takes autograd's path. :func:`~ragen.train.logprobs.policy_forward` uses it for every update and SFT step.
 """
 
@@ -73,7 +73,7 @@ class TiedWeight:
             return False  # subclasses may scale or do more in forward (Gemma's scaled embedding)
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             return False
-        if "forward" in vars(embedding):
+        if "forward" in vars(embedding) or "forward" in vars(head):
             return False  # someone else's instance forward (an accelerate hook, another switch): leave it alone
         weight = embedding.weight
         return (head.weight is weight and weight.requires_grad and weight.dtype == torch.float32
@@ -137,13 +137,15 @@ class TiedWeight:
         return _TiedHead.apply(hidden.to(dtype), self.weight, self)
 
     @contextlib.contextmanager
-    def lookups(self, embedding: torch.nn.Embedding):
-        """Within the block, ``embedding``'s calls add their gradient rows into ``W.grad`` (restored on exit)."""
+    def swapped(self, embedding: torch.nn.Embedding, head: torch.nn.Linear):
+        """Within the block, calls of ``embedding`` and ``head`` run :class:`_TiedLookup` and :meth:`head` (their instance
+        ``forward``, so the modules' hooks still run around them); restored on exit."""
         embedding.forward = lambda ids: _TiedLookup.apply(ids, embedding.weight, self)
+        head.forward = self.head
         try:
             yield
         finally:
-            del embedding.forward
+            del embedding.forward, head.forward
 
 
 #: One :class:`TiedWeight` per tied parameter (by ``id``), for as long as the parameter lives (tensors
@@ -203,11 +205,11 @@ class _TiedLookup(torch.autograd.Function):
 
 @contextlib.contextmanager
 def tied_weight_for(base, enabled: bool = True):
-    """Within the block, ``base``'s tied embedding lookups add into kept memory; yields the
-    :class:`TiedWeight` (call its :meth:`~TiedWeight.head` for logits), or None where it does not apply."""
+    """Within the block, ``base``'s embedding lookups and LM-head calls take the tied weight's kept-memory path
+    (:meth:`TiedWeight.swapped`); yields the :class:`TiedWeight`, or None where it does not apply."""
     tied = TiedWeight.of(base) if enabled else None
     if tied is None:
         yield None
         return
-    with tied.lookups(base.get_input_embeddings()):
+    with tied.swapped(base.get_input_embeddings(), base.get_output_embeddings()):
         yield tied

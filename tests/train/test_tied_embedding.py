@@ -132,13 +132,27 @@ def test_where_it_does_not_apply(model):
     assert not TiedWeight.applies(scaled)
 
 
-def test_the_lookup_is_restored_after_the_block_also_on_error(model):
-    embedding = model.get_input_embeddings()
+def test_the_modules_are_restored_after_the_block_also_on_error(model):
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     with pytest.raises(RuntimeError, match="boom"):
         with tied_weight_for(model) as tied:
-            assert tied is not None and "forward" in vars(embedding)
+            assert tied is not None and "forward" in vars(embedding) and "forward" in vars(head)
             raise RuntimeError("boom")
-    assert "forward" not in vars(embedding)
+    assert "forward" not in vars(embedding) and "forward" not in vars(head)
+
+
+def test_hooks_on_the_head_module_see_the_tied_heads_logits(model):
+    """The tied head runs as the head module's forward, so its hooks (the benchmarks' probes, a user's) still run."""
+    ids, mask, response = rows(model)
+    seen = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = policy_forward(model, ids, mask, response)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].grad_fn is not None and type(seen[0].grad_fn).__name__ == "_TiedHeadBackward"
+    assert seen[0].shape == (int(response.sum()), model.config.vocab_size) and out.logprobs.requires_grad
 
 
 def test_a_weight_changed_before_the_backward_raises(model):
@@ -193,7 +207,11 @@ def test_tensor_hooks_and_foreign_forwards_keep_autograds_path(model):
     assert not TiedWeight.applies(model)
     handle.remove()
     assert TiedWeight.applies(model)
-    embedding = model.get_input_embeddings()
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     embedding.forward = lambda ids: torch.nn.functional.embedding(ids, embedding.weight)  # e.g. an accelerate hook
     assert not TiedWeight.applies(model)
     del embedding.forward
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden, head.weight)
+    assert not TiedWeight.applies(model)
+    del head.forward
+    assert TiedWeight.applies(model)
