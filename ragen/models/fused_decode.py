@@ -40,7 +40,6 @@ prefill, a model under LoRA, a hooked model, training -- runs transformers' ``fo
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +54,7 @@ from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
 from ragen.models.growing_cache import plain_layers
+from ragen.models.kept_buffer import KeptBuffer
 from ragen.models.packed_linear import PackedLinear, will_pack
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
@@ -164,7 +164,7 @@ class _LayerWeights:
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 
 
-def _stacked(tensors, dtype: torch.dtype, staging: "Staging | None" = None) -> torch.Tensor:
+def _stacked(tensors, dtype: torch.dtype, staging: KeptBuffer | None = None) -> torch.Tensor:
     """``torch.cat(tensors).to(dtype)`` in one pass: each part is cast while it is copied into its rows.
 
     With ``staging`` the result is a view of its buffer (overwritten by the next call: only for a copy that is
@@ -178,28 +178,6 @@ def _stacked(tensors, dtype: torch.dtype, staging: "Staging | None" = None) -> t
     return out
 
 
-class Staging:
-    """One reused buffer for the casts that only feed oneDNN's reorder (:class:`PackedLinear` keeps its packed copy,
-    not its input).
-
-    Every freshly allocated large tensor starts as untouched pages that the kernel faults in one 4 KiB page at a
-    time; a session's casts were ~270 MB of them for SmolLM2-135M, rebuilt for every rollout (the weights change
-    between rollouts). Cast into one buffer the size of the largest packed weight (the LM head: 49 152 × 576 bf16,
-    54 MiB), kept by :class:`FusedDecoder` between sessions, they land on pages that are already mapped
-    (``docs/performance.md``, "Packing through one kept staging buffer").
-    """
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None  # flat, grown to the largest request, never shrunk
-
-    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = math.prod(shape)
-        if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < numel:
-            self.buffer = None  # free the old buffer first
-            self.buffer = torch.empty(numel, dtype=dtype)
-        return self.buffer[:numel].view(shape)
-
-
 class FusedWeights:
     """A model's decode weights, concatenated and cast to ``dtype`` once: a copy, valid while the parameters do not change.
 
@@ -209,7 +187,7 @@ class FusedWeights:
     :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
     """
 
-    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: Staging | None = None):
+    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: KeptBuffer | None = None):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
@@ -503,9 +481,11 @@ class FusedDecoder:
 
     def __init__(self, pack: bool = True):
         self.weights: FusedWeights | None = None
-        #: The casts that feed the packing go through this one buffer, kept between sessions (:class:`Staging`);
-        #: None casts each weight into a new tensor.
-        self.staging: Staging | None = Staging()
+        #: The casts that only feed oneDNN's reorder (:class:`PackedLinear` keeps its packed copy, not its input) go
+        #: through this one buffer, kept between sessions: ~270 MB of fresh pages a rollout for SmolLM2-135M otherwise,
+        #: as the weights change between rollouts (``docs/performance.md``, "Packing through one kept staging
+        #: buffer"). It grows to the largest packed weight (the LM head, 54 MiB). None casts each weight into a new tensor.
+        self.staging: KeptBuffer | None = KeptBuffer()
         #: Pack bf16 weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors; a set of
         #: :data:`PROJECTIONS` packs those (in any dtype).
         self.pack = pack

@@ -23,25 +23,23 @@ from __future__ import annotations
 
 import torch
 
+from ragen.models.kept_buffer import KeptBuffer
+
 #: Rows per fp32 block (a 128 × 49 152 fp32 block is 25 MB).
 ROWS = 128
 
-#: The CPU block buffers, kept between calls (by device, dtype and role): allocated afresh for every forward and
-#: backward, a 25 MB block lands on pages the kernel faults in first (~19 ms a copy into it against ~4 warm, in the
-#: main job's update). ragen runs its forward and backward passes on one thread, one at a time.
-_KEPT: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+#: The CPU block buffers, kept between calls (by dtype and role): allocated afresh for every forward and backward,
+#: a 25 MB block lands on pages the kernel faults in first (~19 ms a copy into it against ~4 warm, in the main job's
+#: update). ragen runs its forward and backward passes on one thread, one at a time.
+_KEPT: dict[tuple[torch.dtype, str], KeptBuffer] = {}
 
 
 def _block_buffer(like: torch.Tensor, rows: int, dtype: torch.dtype, role: str) -> torch.Tensor:
-    """A ``(rows, V)`` ``dtype`` buffer; on the CPU a view of one kept, growing allocation per ``role``."""
+    """A ``(rows, V)`` ``dtype`` buffer; on the CPU a view of one :class:`KeptBuffer` per ``role``."""
     V = like.shape[1]
     if like.device.type != "cpu" or torch.is_inference_mode_enabled():  # an inference tensor kept would refuse
         return like.new_empty((rows, V), dtype=dtype)                   # later in-place writes outside the mode
-    key = (str(like.device), dtype, role)
-    flat = _KEPT.get(key)
-    if flat is None or flat.numel() < rows * V:
-        flat = _KEPT[key] = torch.empty(rows * V, dtype=dtype, device=like.device)
-    return flat[: rows * V].view(rows, V)
+    return _KEPT.setdefault((dtype, role), KeptBuffer()).view((rows, V), dtype)
 
 
 def _blocks(n: int):

@@ -139,14 +139,15 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
 @pytest.mark.parametrize("pack", [True, frozenset({"qkv", "head"}), False])
 def test_weights_cast_through_the_kept_staging_buffer_stay_intact_when_it_is_reused(pack):
     """The staging buffer only feeds oneDNN's reorder: a second build through it must not change the first's weights."""
-    from ragen.models.fused_decode import FusedWeights, Staging
+    from ragen.models.fused_decode import FusedWeights
+    from ragen.models.kept_buffer import KeptBuffer
 
     def projections(weights, x):  # every GEMM of the fused step on the same input
         layer = weights.layers[0]
         return [layer.qkv(x), layer.o(x), layer.gate_up(x), layer.down(torch.cat([x, x], -1)[:, :128]), weights.head(x)]
 
     first, second = small_model("llama", seed=0), small_model("llama", seed=1)
-    staging = Staging()
+    staging = KeptBuffer()
     x = torch.randn(5, SMALL["hidden_size"]).bfloat16()
     built = FusedWeights(first, torch.bfloat16, pack=pack, staging=staging)
     before = projections(built, x)

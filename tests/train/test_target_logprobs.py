@@ -149,10 +149,10 @@ def test_the_cpu_block_buffers_are_kept_and_calls_do_not_disturb_each_other():
     torch.testing.assert_close(entropy, -(torch.softmax(b, -1) * torch.log_softmax(b, -1)).sum(-1).detach())
     (grad,) = torch.autograd.grad(logp.sum(), a)
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
-    kept = target_module._KEPT[("cpu", torch.float32, "block")].data_ptr()
+    kept = target_module._KEPT[(torch.float32, "block")].buffer.data_ptr()
     target_logprobs(a, targets_a)
     target_logprobs(b, targets_b, with_entropy=True)
-    assert target_module._KEPT[("cpu", torch.float32, "block")].data_ptr() == kept  # no new block once large enough
+    assert target_module._KEPT[(torch.float32, "block")].buffer.data_ptr() == kept  # no new block once large enough
 
 
 def test_a_first_call_under_inference_mode_does_not_poison_later_training_calls(monkeypatch):
