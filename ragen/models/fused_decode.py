@@ -191,12 +191,17 @@ class FusedWeights:
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
-        # pack=True packs bf16 weights, the measured case (fp32 weights stay views of the parameters, no copy)
-        packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else set()) if pack is True else set(pack or ())
+        # pack=True packs what was measured to win: every bf16 projection; in fp32 only the LM head (its 49 152-row
+        # F.linear at 16-32 rows ran at a third of the packed GEMM's speed on a Cascade Lake Xeon, while the decoder's
+        # fp32 projections ran as fast or faster as (W @ hᵀ)ᵀ on plain views of the parameters, no copy;
+        # docs/performance.md, "Cascade Lake Xeon")
+        packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else {"head"}) if pack is True else set(pack or ())
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
         def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
             if name in packed and will_pack(parts[0].device, dtype):  # PackedLinear keeps its own packed copy
+                if len(parts) == 1 and parts[0].dtype == dtype:
+                    return parts[0].detach()  # already in the dtype: the reorder reads the parameter itself
                 return _stacked(parts, dtype, staging)
             return _stacked(parts, dtype) if len(parts) > 1 else cast(parts[0])
 
@@ -486,8 +491,8 @@ class FusedDecoder:
         #: as the weights change between rollouts (``docs/performance.md``, "Packing through one kept staging
         #: buffer"). It grows to the largest packed weight (the LM head, 54 MiB). None casts each weight into a new tensor.
         self.staging: KeptBuffer | None = KeptBuffer()
-        #: Pack bf16 weights for oneDNN (:mod:`ragen.models.packed_linear`); False keeps plain tensors; a set of
-        #: :data:`PROJECTIONS` packs those (in any dtype).
+        #: True packs for oneDNN (:mod:`ragen.models.packed_linear`) what was measured to win: every bf16 projection,
+        #: the fp32 LM head; False keeps plain tensors; a set of :data:`PROJECTIONS` packs those (in any dtype).
         self.pack = pack
         #: With a shared prefix, also read the rows' own columns per group (:func:`_attend_grouped`).
         self.group_own_columns = True

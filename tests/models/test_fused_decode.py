@@ -62,7 +62,9 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     out = decode_both(model, ids, mask, grow=grow, pack=pack)
     (plain, plain_cache, _), (fused, fused_cache, decoder) = out["plain"], out["fused"]
     assert decoder.fused_steps == 3 and decoder.plain_calls == 0
-    assert not decoder.weights.head.packed  # fp32: views of the parameters, packed only on request
+    # fp32 by default: the LM head packed (where oneDNN takes fp32), the decoder's projections views of the parameters
+    assert decoder.weights.head.packed == (pack and packing_available(torch.float32))
+    assert not any(w.qkv.packed or w.o.packed or w.gate_up.packed or w.down.packed for w in decoder.weights.layers)
     if pack:  # an explicit set packs fp32 too: the same logits
         packed = decode_both(model, ids, mask, grow=grow, pack=frozenset(PROJECTIONS))["fused"]
         assert packed[2].weights.head.packed == packing_available(torch.float32)
