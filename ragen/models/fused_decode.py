@@ -12,7 +12,8 @@ computes the same step with far fewer calls:
 - each weight cast once to the autocast dtype (bf16) and packed for oneDNN
   (:mod:`ragen.models.packed_linear`), kept for the whole rollout session instead of looked up in
   autocast's cache at every call and repacked by the BLAS at every GEMM (measured with the packing cost:
-  1.03-1.06x per ``generate`` call of 16-32 tokens at batch 32, ``docs/performance.md``);
+  1.03-1.06x per ``generate`` call of 16-32 tokens at batch 32, ``docs/performance.md``); in fp32 the LM
+  head is packed for oneDNN and q/k/v, o and gate/up for MKL's packed GEMM at the decode batch;
 - the query and key heads rotated together, attention for one query per row as two fp32 matmuls per
   KV head group (as :mod:`ragen.models.decode_attention`), with a key-padding mask when rows are
   left-padded; with a :class:`SharedPrefix`, per group of rows sharing a prompt.
@@ -162,6 +163,8 @@ class _LayerWeights:
 
 #: The fused step's GEMMs, by the names :class:`FusedWeights` packs them under.
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
+#: The fp32 GEMMs that ``pack=True`` packs for MKL at the decode batch (:meth:`PackedLinear.pack_rows`).
+FP32_MKL_PROJECTIONS = frozenset({"qkv", "o", "gate_up"})
 
 
 def _stacked(tensors, dtype: torch.dtype, staging: KeptBuffer | None = None) -> torch.Tensor:
@@ -187,26 +190,30 @@ class FusedWeights:
     :meth:`current` only checks that the same parameter tensors (storage, dtype) are still in place.
     """
 
-    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: KeptBuffer | None = None):
+    def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: KeptBuffer | None = None,
+                 mkl: frozenset[str] | None = None):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
-        # pack=True packs what was measured to win: every bf16 projection; in fp32 only the LM head (its 49 152-row
-        # F.linear at 16-32 rows ran at a third of the packed GEMM's speed on a Cascade Lake Xeon, while the decoder's
-        # fp32 projections ran as fast or faster as (W @ hᵀ)ᵀ on plain views of the parameters, no copy;
-        # docs/performance.md, "Cascade Lake Xeon")
+        # pack=True packs what was measured to win (docs/performance.md, "Cascade Lake Xeon"): every bf16 projection
+        # for oneDNN; in fp32 the LM head for oneDNN (its 49 152-row F.linear at 16-32 rows ran at a third of the packed
+        # GEMM's speed on a Cascade Lake Xeon) and q/k/v, o and gate/up for MKL's packed GEMM at the decode batch
+        # (1.08-1.27x per GEMM there against (W @ hᵀ)ᵀ on plain weights; down ran slower packed and stays plain)
         packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else {"head"}) if pack is True else set(pack or ())
+        if mkl is None:
+            mkl = FP32_MKL_PROJECTIONS if pack is True and dtype == torch.float32 else frozenset()
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
         def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
-            if name in packed and will_pack(parts[0].device, dtype):  # PackedLinear keeps its own packed copy
+            if name in packed and name not in mkl and will_pack(parts[0].device, dtype):  # PackedLinear keeps a packed copy
                 if len(parts) == 1 and parts[0].dtype == dtype:
                     return parts[0].detach()  # already in the dtype: the reorder reads the parameter itself
                 return _stacked(parts, dtype, staging)
             return _stacked(parts, dtype) if len(parts) > 1 else cast(parts[0])
 
         # unpacked, the head stays F.linear: row-major logits, as generate reads them
-        linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed, transposed=name != "head")  # noqa: E731
+        linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed, transposed=name != "head",  # noqa: E731
+                                                      mkl=name in mkl)
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
@@ -222,6 +229,20 @@ class FusedWeights:
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
         self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
+        self._rows_packed = False
+
+    def linears(self):
+        """Every projection, layer by layer, then the head."""
+        for w in self.layers:
+            yield from (w.qkv, w.o, w.gate_up, w.down)
+        yield self.head
+
+    def pack_rows(self, rows: int) -> None:
+        """Pack the MKL-backed linears for ``rows``-row calls (once; see :meth:`PackedLinear.pack_rows`)."""
+        if not self._rows_packed:
+            self._rows_packed = True
+            for linear in self.linears():
+                linear.pack_rows(rows)
 
     @staticmethod
     def _key(model) -> tuple:
@@ -441,6 +462,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
     scaling = D ** -0.5
     dtype = weights.dtype
     past = cache.get_seq_length()
+    weights.pack_rows(B)
     with torch.autocast("cpu", enabled=False):
         h = inner.embed_tokens(input_ids)  # (B, 1, C), the residual stream's dtype
         if position_ids is None:
@@ -494,6 +516,9 @@ class FusedDecoder:
         #: True packs for oneDNN (:mod:`ragen.models.packed_linear`) what was measured to win: every bf16 projection,
         #: the fp32 LM head; False keeps plain tensors; a set of :data:`PROJECTIONS` packs those (in any dtype).
         self.pack = pack
+        #: fp32 projections packed for MKL at the decode batch: None = what ``pack=True`` measured to win
+        #: (:data:`FP32_MKL_PROJECTIONS`, none unless ``pack`` is True); a set of :data:`PROJECTIONS` names those.
+        self.mkl: frozenset[str] | None = None
         #: With a shared prefix, also read the rows' own columns per group (:func:`_attend_grouped`).
         self.group_own_columns = True
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``/``_common_prefill``).
@@ -517,7 +542,7 @@ class FusedDecoder:
     def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
         if self.weights is None or not self.weights.current(model, dtype):
             self.weights = None  # free the old copy before building the new one
-            self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging)
+            self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging, mkl=self.mkl)
         return self.weights
 
     def clear(self) -> None:

@@ -14,6 +14,14 @@ kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``docs/per
 "Packed weights in the fused step"): SmolLM2's projections at 32 rows 1.1-1.2× faster than ``(W @ xᵀ)ᵀ`` and
 1.4-2.0× faster than ``F.linear``; the 49 152 × 576 LM head 1.8× faster than ``F.linear``.
 
+In fp32, MKL's own packed GEMM (``cblas_sgemm_pack``/``_compute`` through ``torch.ops.mkl._mkl_linear``,
+what inductor freezes fp32 CPU weights into) is the faster kernel for SmolLM2's q/k/v, o and gate/up
+projections at decode batches on a Cascade Lake Xeon (1.08-1.27x per GEMM against ``(W @ hᵀ)ᵀ`` at 32 rows,
+whole ``generate`` calls 1.10-1.17x; ``docs/performance.md``). Torch packs it for one row count
+(:meth:`PackedLinear.pack_rows`, the decode batch) and runs ``F.linear`` for any other, so a linear packed
+for MKL keeps its plain weight for the other calls. Its outputs equalled ``F.linear``'s bit for bit at the
+packed row count there.
+
 A packed weight is a copy: it does not follow later changes to the parameter. Owners scope it
 (:class:`~ragen.models.fused_decode.FusedDecoder` keeps it for one rollout session).
 Where torch has no oneDNN (or it refuses the dtype), :class:`PackedLinear` keeps the plain weight and
@@ -47,6 +55,20 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def mkl_packing_available() -> bool:
+    """Whether this torch build packs fp32 weights for MKL's packed GEMM (``cblas_sgemm_pack``; tried once)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        weight, x = torch.ones(8, 16), torch.ones(2, 16)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 2)
+        out = torch.ops.mkl._mkl_linear(x, packed, weight, None, 2)
+        return out.shape == (2, 8) and bool((out == 16).all())
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
 def will_pack(device: torch.device, dtype: torch.dtype, pack: bool = True) -> bool:
     """Whether :class:`PackedLinear` packs a weight on ``device`` in ``dtype`` (then it keeps a packed copy, not the
     tensor it was given)."""
@@ -62,13 +84,25 @@ class PackedLinear:
     rows, unless ``transposed=False``; its result is a transposed view) or ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, transposed: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, transposed: bool = True,
+                 mkl: bool = False):
         weight = weight.detach()
         self.transposed = transposed
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach() if bias is not None else None
-        self.packed = will_pack(weight.device, weight.dtype, pack)
+        #: With ``mkl`` (fp32 on the CPU, MKL present) the weight stays plain and :meth:`pack_rows` adds MKL's packed copy.
+        self.mkl = mkl and weight.dtype == torch.float32 and weight.device.type == "cpu" and mkl_packing_available()
+        self.packed = not self.mkl and will_pack(weight.device, weight.dtype, pack)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT) if self.packed else weight
+        self.mkl_weight: torch.Tensor | None = None  # MKL's packed copy, for calls of exactly mkl_rows rows
+        self.mkl_rows: int | None = None
+
+    def pack_rows(self, rows: int) -> None:
+        """With ``mkl``, pack the weight once for MKL's GEMM at ``rows`` rows (the decode batch); later calls of other
+        row counts keep the plain weight's path (torch's op falls back to ``F.linear`` there, slower for few rows)."""
+        if self.mkl and self.mkl_rows is None:
+            self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.contiguous(), rows)
+            self.mkl_rows = rows
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,6 +113,8 @@ class PackedLinear:
             flat = x.reshape(-1, self.in_features)  # (M, in)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")  # (M, out) row-major
             return out.view(*x.shape[:-1], self.out_features)
+        if self.mkl_rows is not None and x.dim() == 2 and x.shape[0] == self.mkl_rows:
+            return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, self.mkl_rows)  # (M, out)
         if self.transposed and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
             return transposed_linear(x, self.weight, self.bias, row_major=False)  # (M, out), strides (1, M)
         return F.linear(x, self.weight, self.bias)

@@ -11,11 +11,11 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
+from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
     fused_decode_for, unsupported_reason
 from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
-from ragen.models.packed_linear import packing_available
+from ragen.models.packed_linear import mkl_packing_available, packing_available
 
 from tests.models.small_models import SMALL, small_model
 
@@ -29,7 +29,8 @@ def padded_batch(seed: int = 0, batch: int = 4, width: int = 13, pads=(0, 3, 0, 
     return ids, mask
 
 
-def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False, pack: bool = True):
+def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False, pack: bool = True,
+                mkl: frozenset[str] | None = None):
     """Logits of ``steps`` one-token calls after a prefill, through transformers and through the fused step."""
     out = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -40,6 +41,7 @@ def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool
         for arm in ("plain", "fused"):
             c = copy.deepcopy(cache)
             decoder = FusedDecoder(pack=pack)
+            decoder.mkl = mkl
             logits, token, m = [], ids[:, -1:], mask
             with fused_decode_for(model, decoder, enabled=arm == "fused") as switched:
                 assert switched == (arm == "fused")
@@ -62,13 +64,25 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     out = decode_both(model, ids, mask, grow=grow, pack=pack)
     (plain, plain_cache, _), (fused, fused_cache, decoder) = out["plain"], out["fused"]
     assert decoder.fused_steps == 3 and decoder.plain_calls == 0
-    # fp32 by default: the LM head packed (where oneDNN takes fp32), the decoder's projections views of the parameters
-    assert decoder.weights.head.packed == (pack and packing_available(torch.float32))
-    assert not any(w.qkv.packed or w.o.packed or w.gate_up.packed or w.down.packed for w in decoder.weights.layers)
-    if pack:  # an explicit set packs fp32 too: the same logits
+    # fp32 by default: the LM head packed for oneDNN (where it takes fp32), q/k/v, o and gate/up packed for MKL at the
+    # decode batch (where torch has MKL), down a plain view of the parameter
+    weights = decoder.weights
+    assert weights.head.packed == (pack and packing_available(torch.float32)) and not weights.head.mkl
+    mkl = pack and mkl_packing_available()
+    for w in weights.layers:
+        assert not any(linear.packed for linear in (w.qkv, w.o, w.gate_up, w.down))
+        assert [linear.mkl_rows for linear in (w.qkv, w.o, w.gate_up)] == [ids.shape[0] if mkl else None] * 3
+        assert w.down.mkl_rows is None
+    assert FP32_MKL_PROJECTIONS == {"qkv", "o", "gate_up"}
+    if pack:  # explicit sets: everything for oneDNN, everything for MKL: the same logits
         packed = decode_both(model, ids, mask, grow=grow, pack=frozenset(PROJECTIONS))["fused"]
         assert packed[2].weights.head.packed == packing_available(torch.float32)
+        assert not any(linear.mkl for linear in packed[2].weights.linears())
         torch.testing.assert_close(packed[0], plain, rtol=1e-5, atol=1e-5)
+        on_mkl = decode_both(model, ids, mask, grow=grow, mkl=frozenset(PROJECTIONS))["fused"]
+        assert all(linear.mkl_rows == (ids.shape[0] if mkl_packing_available() else None)
+                   for linear in on_mkl[2].weights.linears())
+        torch.testing.assert_close(on_mkl[0], plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
         torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
