@@ -272,6 +272,7 @@ class HFBackend:
         self.model.eval()
         try:
             # fused_decode_for checks the model's linears before transposed_linears swaps their forwards
+            self.fused.call_new_tokens = params.max_new_tokens  # whether MKL packing pays (FusedDecoder.pack_rows_if_it_pays)
             with autocast(self.precision, self.device.type), \
                     fused_decode_for(self.model, self.fused, self.fused_decode) as fused, \
                     transposed_linears(self.model, self.transposed_gemm), \

@@ -165,6 +165,10 @@ class _LayerWeights:
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 #: The fp32 GEMMs that ``pack=True`` packs for MKL at the decode batch (:meth:`PackedLinear.pack_rows`).
 FP32_MKL_PROJECTIONS = frozenset({"qkv", "o", "gate_up"})
+#: Decode steps a session must be able to take with one set of weights before packing them for MKL pays: the
+#: packing costs ~180 ms for SmolLM2 and saves ~12 ms a step at batch 32 (Cascade Lake Xeon, whole calls at
+#: batch 32: 8 new tokens 0.97x, 16 1.02x, 24 1.17x, 32 1.09-1.16x; docs/performance.md).
+MKL_PACK_MIN_STEPS = 24
 
 
 def _stacked(tensors, dtype: torch.dtype, staging: KeptBuffer | None = None) -> torch.Tensor:
@@ -229,13 +233,20 @@ class FusedWeights:
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
         self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
-        self._rows_packed = False
+        self._rows_packed = not any(linear.mkl for linear in self.linears())
+        #: Fused decode steps taken with these weights (the session's, as the owner keeps them for one session).
+        self.steps = 0
 
     def linears(self):
         """Every projection, layer by layer, then the head."""
         for w in self.layers:
             yield from (w.qkv, w.o, w.gate_up, w.down)
         yield self.head
+
+    @property
+    def rows_pending(self) -> bool:
+        """Whether linears wait for :meth:`pack_rows` (MKL-backed ones, not yet packed)."""
+        return not self._rows_packed
 
     def pack_rows(self, rows: int) -> None:
         """Pack the MKL-backed linears for ``rows``-row calls (once; see :meth:`PackedLinear.pack_rows`)."""
@@ -462,7 +473,6 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
     scaling = D ** -0.5
     dtype = weights.dtype
     past = cache.get_seq_length()
-    weights.pack_rows(B)
     with torch.autocast("cpu", enabled=False):
         h = inner.embed_tokens(input_ids)  # (B, 1, C), the residual stream's dtype
         if position_ids is None:
@@ -519,6 +529,8 @@ class FusedDecoder:
         #: fp32 projections packed for MKL at the decode batch: None = what ``pack=True`` measured to win
         #: (:data:`FP32_MKL_PROJECTIONS`, none unless ``pack`` is True); a set of :data:`PROJECTIONS` names those.
         self.mkl: frozenset[str] | None = None
+        #: The running call's ``max_new_tokens``, set by ``HFBackend`` (None: unknown, MKL packs at the first step).
+        self.call_new_tokens: int | None = None
         #: With a shared prefix, also read the rows' own columns per group (:func:`_attend_grouped`).
         self.group_own_columns = True
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``/``_common_prefill``).
@@ -545,6 +557,13 @@ class FusedDecoder:
             self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging, mkl=self.mkl)
         return self.weights
 
+    def pack_rows_if_it_pays(self, weights: FusedWeights, rows: int, call_steps: int) -> None:
+        """Pack ``weights``' MKL-backed linears at ``rows`` rows once the session can take :data:`MKL_PACK_MIN_STEPS`
+        decode steps with them: those taken so far plus those this call (``call_steps`` taken) may still take."""
+        left = None if self.call_new_tokens is None else self.call_new_tokens - call_steps
+        if left is None or weights.steps + left >= MKL_PACK_MIN_STEPS:
+            weights.pack_rows(rows)
+
     def clear(self) -> None:
         """Drop the weights (the staging buffer stays: the next session's casts reuse its pages)."""
         self.weights = None
@@ -565,6 +584,7 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
     plain = model.forward
     own = vars(model).get("forward")  # an instance forward set before this block, restored on exit
     weights = None  # fetched at the first step: parameters cannot change within the block
+    call_steps = 0
 
     def forward(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
@@ -578,13 +598,17 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
             return plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                          logits_to_keep=logits_to_keep, **kwargs)
-        nonlocal weights
+        nonlocal weights, call_steps
         dtype = compute_dtype(model)
         if weights is None or weights.dtype != dtype:
             weights = decoder.weights_for(model, dtype)
+        if weights.rows_pending:
+            decoder.pack_rows_if_it_pays(weights, input_ids.shape[0], call_steps)
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
         kept = prefix.own_steps if prefix is not None else None
         logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix)
+        weights.steps += 1
+        call_steps += 1
         decoder.fused_steps += 1
         decoder.shared_prefix_steps += prefix is not None
         decoder.grouped_steps += kept is not None and prefix.own_steps == kept + 1

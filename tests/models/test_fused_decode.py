@@ -11,7 +11,7 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
+from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
     fused_decode_for, unsupported_reason
 from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
@@ -87,6 +87,31 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
         torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="torch without MKL's packed GEMM")
+def test_mkl_packing_waits_until_the_session_can_take_enough_decode_steps(tiny):
+    model, tokenizer = tiny
+    decoder = FusedDecoder()
+    weights = decoder.weights_for(model, torch.float32)
+    mkl_linears = lambda: [linear for linear in weights.linears() if linear.mkl]  # noqa: E731
+    assert len(mkl_linears()) == 3 * len(weights.layers) and weights.rows_pending
+    decoder.call_new_tokens = MKL_PACK_MIN_STEPS - 1  # a call too short to pay for the packing
+    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=0)
+    assert weights.rows_pending and all(linear.mkl_rows is None for linear in mkl_linears())
+    weights.steps = 1  # a step taken earlier in the session: with this call's, the session reaches the bound
+    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=0)
+    assert not weights.rows_pending and all(linear.mkl_rows == 4 for linear in mkl_linears())
+
+    # through the backend: within one rollout session, short calls leave the weights plain until the session's
+    # steps taken plus the running call's max_new_tokens reach the bound
+    prompts = [tokenizer("go left")["input_ids"]] * 4
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    with backend.session():
+        backend.generate(prompts, SamplingParams(max_new_tokens=4, min_new_tokens=4, do_sample=False))
+        assert backend.fused.weights.steps == 3 and backend.fused.weights.rows_pending
+        backend.generate(prompts, SamplingParams(max_new_tokens=MKL_PACK_MIN_STEPS - 3, min_new_tokens=2, do_sample=False))
+        assert not backend.fused.weights.rows_pending
 
 
 def test_fused_steps_without_padding_and_with_explicit_positions():
