@@ -309,6 +309,7 @@ class HFBackend:
             self.model.train(was_training)
             self._prefill_fused = False
             self.fused.prefix = None  # describes this call's rows only
+            self.fused.call_new_tokens = None
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
         if keeping:

@@ -56,7 +56,7 @@ from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
 from ragen.models.growing_cache import plain_layers
 from ragen.models.kept_buffer import KeptBuffer
-from ragen.models.packed_linear import PackedLinear, will_pack
+from ragen.models.packed_linear import PackedLinear, intel_cpu, will_pack
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -165,9 +165,10 @@ class _LayerWeights:
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 #: The fp32 GEMMs that ``pack=True`` packs for MKL at the decode batch (:meth:`PackedLinear.pack_rows`).
 FP32_MKL_PROJECTIONS = frozenset({"qkv", "o", "gate_up"})
-#: Decode steps a session must be able to take with one set of weights before packing them for MKL pays: the
+#: New tokens a call must be able to generate for packing the weights for MKL at its first decode step to pay: the
 #: packing costs ~180 ms for SmolLM2 and saves ~12 ms a step at batch 32 (Cascade Lake Xeon, whole calls at
-#: batch 32: 8 new tokens 0.97x, 16 1.02x, 24 1.17x, 32 1.09-1.16x; docs/performance.md).
+#: batch 32: 8 new tokens 0.97x, 16 1.02x, 24 1.17x, 32 1.09-1.16x; docs/performance.md). Steps of earlier calls
+#: in the session do not count: they cannot gain from a pack built now.
 MKL_PACK_MIN_STEPS = 24
 
 
@@ -205,7 +206,7 @@ class FusedWeights:
         # (1.08-1.27x per GEMM there against (W @ hᵀ)ᵀ on plain weights; down ran slower packed and stays plain)
         packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else {"head"}) if pack is True else set(pack or ())
         if mkl is None:
-            mkl = FP32_MKL_PROJECTIONS if pack is True and dtype == torch.float32 else frozenset()
+            mkl = FP32_MKL_PROJECTIONS if pack is True and dtype == torch.float32 and intel_cpu() else frozenset()
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
         def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
@@ -234,8 +235,6 @@ class FusedWeights:
         self.norm_eps = inner.norm.variance_epsilon
         self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
         self._rows_packed = not any(linear.mkl for linear in self.linears())
-        #: Fused decode steps taken with these weights (the session's, as the owner keeps them for one session).
-        self.steps = 0
 
     def linears(self):
         """Every projection, layer by layer, then the head."""
@@ -558,10 +557,13 @@ class FusedDecoder:
         return self.weights
 
     def pack_rows_if_it_pays(self, weights: FusedWeights, rows: int, call_steps: int) -> None:
-        """Pack ``weights``' MKL-backed linears at ``rows`` rows once the session can take :data:`MKL_PACK_MIN_STEPS`
-        decode steps with them: those taken so far plus those this call (``call_steps`` taken) may still take."""
+        """Pack ``weights``' MKL-backed linears at ``rows`` rows if the running call (``call_steps`` steps taken) may
+        still generate :data:`MKL_PACK_MIN_STEPS` tokens, or its length is unknown.
+
+        The pack is a copy for one row count: later calls of the session at other row counts run the plain weights,
+        and both copies are valid only while the parameters stay unchanged (the session's scope, :meth:`clear`)."""
         left = None if self.call_new_tokens is None else self.call_new_tokens - call_steps
-        if left is None or weights.steps + left >= MKL_PACK_MIN_STEPS:
+        if left is None or left >= MKL_PACK_MIN_STEPS:
             weights.pack_rows(rows)
 
     def clear(self) -> None:
@@ -607,7 +609,6 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
         kept = prefix.own_steps if prefix is not None else None
         logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix)
-        weights.steps += 1
         call_steps += 1
         decoder.fused_steps += 1
         decoder.shared_prefix_steps += prefix is not None

@@ -15,7 +15,7 @@ from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, 
     fused_decode_for, unsupported_reason
 from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
-from ragen.models.packed_linear import mkl_packing_available, packing_available
+from ragen.models.packed_linear import intel_cpu, mkl_packing_available, packing_available
 
 from tests.models.small_models import SMALL, small_model
 
@@ -68,7 +68,7 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     # decode batch (where torch has MKL), down a plain view of the parameter
     weights = decoder.weights
     assert weights.head.packed == (pack and packing_available(torch.float32)) and not weights.head.mkl
-    mkl = pack and mkl_packing_available()
+    mkl = pack and mkl_packing_available() and intel_cpu()  # measured on an Intel CPU only: the default there
     for w in weights.layers:
         assert not any(linear.packed for linear in (w.qkv, w.o, w.gate_up, w.down))
         assert [linear.mkl_rows for linear in (w.qkv, w.o, w.gate_up)] == [ids.shape[0] if mkl else None] * 3
@@ -90,28 +90,29 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
 
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="torch without MKL's packed GEMM")
-def test_mkl_packing_waits_until_the_session_can_take_enough_decode_steps(tiny):
+def test_mkl_packing_waits_for_a_call_long_enough_to_pay_for_it(tiny):
     model, tokenizer = tiny
     decoder = FusedDecoder()
+    decoder.mkl = FP32_MKL_PROJECTIONS  # the default on Intel CPUs only
     weights = decoder.weights_for(model, torch.float32)
     mkl_linears = lambda: [linear for linear in weights.linears() if linear.mkl]  # noqa: E731
     assert len(mkl_linears()) == 3 * len(weights.layers) and weights.rows_pending
-    decoder.call_new_tokens = MKL_PACK_MIN_STEPS - 1  # a call too short to pay for the packing
-    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=0)
+    decoder.call_new_tokens = MKL_PACK_MIN_STEPS + 1
+    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=2)  # 23 tokens left: too few to pay
     assert weights.rows_pending and all(linear.mkl_rows is None for linear in mkl_linears())
-    weights.steps = 1  # a step taken earlier in the session: with this call's, the session reaches the bound
-    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=0)
+    decoder.pack_rows_if_it_pays(weights, rows=4, call_steps=1)  # 24 left
     assert not weights.rows_pending and all(linear.mkl_rows == 4 for linear in mkl_linears())
 
-    # through the backend: within one rollout session, short calls leave the weights plain until the session's
-    # steps taken plus the running call's max_new_tokens reach the bound
+    # through the backend: a short call leaves the session's weights plain, a long one packs them at its batch
     prompts = [tokenizer("go left")["input_ids"]] * 4
     backend = HFBackend(model, tokenizer, precision="fp32")
+    backend.fused.mkl = FP32_MKL_PROJECTIONS
     with backend.session():
-        backend.generate(prompts, SamplingParams(max_new_tokens=4, min_new_tokens=4, do_sample=False))
-        assert backend.fused.weights.steps == 3 and backend.fused.weights.rows_pending
-        backend.generate(prompts, SamplingParams(max_new_tokens=MKL_PACK_MIN_STEPS - 3, min_new_tokens=2, do_sample=False))
+        backend.generate(prompts, SamplingParams(max_new_tokens=MKL_PACK_MIN_STEPS - 1, min_new_tokens=4, do_sample=False))
+        assert backend.fused.weights.rows_pending and backend.fused.call_new_tokens is None  # reset after the call
+        backend.generate(prompts, SamplingParams(max_new_tokens=MKL_PACK_MIN_STEPS + 1, min_new_tokens=4, do_sample=False))
         assert not backend.fused.weights.rows_pending
+        assert backend.fused.weights.layers[0].qkv.mkl_rows == len(prompts)
 
 
 def test_fused_steps_without_padding_and_with_explicit_positions():
@@ -153,8 +154,9 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     backend = HFBackend(model, tokenizer, precision="fp32")
+    backend.fused.mkl = FP32_MKL_PROJECTIONS if mkl_packing_available() else None  # MKL's packs must not outlive it
     prompts = [tokenizer("go left")["input_ids"]] * 2
-    params = SamplingParams(max_new_tokens=3, do_sample=False)
+    params = SamplingParams(max_new_tokens=MKL_PACK_MIN_STEPS + 1, min_new_tokens=3, do_sample=False)
     up = model.model.layers[0].mlp.up_proj.weight
     inter = model.config.intermediate_size
     with backend.session():
@@ -172,8 +174,11 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
     assert not torch.equal(up.detach(), before) and up._version == version  # changed, version counter not
     with backend.session():
         backend.generate(prompts, params)
-        x = torch.randn(3, model.config.hidden_size)
-        torch.testing.assert_close(backend.fused.weights.layers[0].gate_up(x)[:, inter:], F.linear(x, up.detach()))
+        gate_up = backend.fused.weights.layers[0].gate_up
+        assert gate_up.mkl_rows == (len(prompts) if mkl_packing_available() else None)
+        for rows in (3, len(prompts)):  # the plain path, and MKL's pack at the decode batch
+            x = torch.randn(rows, model.config.hidden_size)
+            torch.testing.assert_close(gate_up(x)[:, inter:], F.linear(x, up.detach()))
     assert FusedDecoder().weights_for(model, torch.bfloat16).dtype == torch.bfloat16
 
 

@@ -70,7 +70,8 @@ def test_mkl_packed_linear_equals_f_linear_at_its_rows_and_runs_the_plain_path_a
     assert not PackedLinear(weight.bfloat16(), mkl=True).mkl  # MKL's packed GEMM is fp32 only
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+@pytest.mark.skipif(not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()),
+                    reason="torch built without MKL or oneDNN (its MKL linear ops need both)")
 def test_mkl_packing_is_available_where_torch_has_mkl():
     assert mkl_packing_available()  # else the fused fp32 decode step silently runs the plain path
     weight = torch.randn(6, 8)
