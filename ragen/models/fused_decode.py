@@ -56,7 +56,8 @@ from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
 from ragen.models.growing_cache import plain_layers
 from ragen.models.kept_buffer import KeptBuffer
-from ragen.models.packed_linear import PackedLinear, intel_cpu, will_pack
+from ragen.models.packed_linear import PackedLinear, will_pack
+from ragen.models.precision import intel_cpu
 
 #: ``config.model_type`` -> transformers' (causal LM, decoder layer, attention, MLP, RMS norm) classes of the
 #: pre-norm Llama block computed here. Exact classes: a subclass or a remote-code look-alike may compute
@@ -205,7 +206,7 @@ class FusedWeights:
         # GEMM's speed on a Cascade Lake Xeon) and q/k/v, o and gate/up for MKL's packed GEMM at the decode batch
         # (1.08-1.27x per GEMM there against (W @ hᵀ)ᵀ on plain weights; down ran slower packed and stays plain)
         packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else {"head"}) if pack is True else set(pack or ())
-        if mkl is None:
+        if mkl is None:  # MKL's packed GEMM was measured to win on an Intel CPU, not on AMD (where MKL may pick other kernels)
             mkl = FP32_MKL_PROJECTIONS if pack is True and dtype == torch.float32 and intel_cpu() else frozenset()
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
@@ -234,7 +235,8 @@ class FusedWeights:
         self.norm = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
         self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
-        self._rows_packed = not any(linear.mkl for linear in self.linears())
+        #: Whether MKL-backed linears wait for :meth:`pack_rows`.
+        self.rows_pending = any(linear.mkl for linear in self.linears())
 
     def linears(self):
         """Every projection, layer by layer, then the head."""
@@ -242,15 +244,10 @@ class FusedWeights:
             yield from (w.qkv, w.o, w.gate_up, w.down)
         yield self.head
 
-    @property
-    def rows_pending(self) -> bool:
-        """Whether linears wait for :meth:`pack_rows` (MKL-backed ones, not yet packed)."""
-        return not self._rows_packed
-
     def pack_rows(self, rows: int) -> None:
         """Pack the MKL-backed linears for ``rows``-row calls (once; see :meth:`PackedLinear.pack_rows`)."""
-        if not self._rows_packed:
-            self._rows_packed = True
+        if self.rows_pending:
+            self.rows_pending = False
             for linear in self.linears():
                 linear.pack_rows(rows)
 

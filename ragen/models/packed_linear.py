@@ -17,7 +17,7 @@ kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``docs/per
 In fp32, MKL's own packed GEMM (``cblas_sgemm_pack``/``_compute`` through ``torch.ops.mkl._mkl_linear``,
 what inductor freezes fp32 CPU weights into) is the faster kernel for SmolLM2's q/k/v, o and gate/up
 projections at decode batches on a Cascade Lake Xeon (1.08-1.27x per GEMM against ``(W @ hᵀ)ᵀ`` at 32 rows,
-whole ``generate`` calls 1.10-1.17x; ``docs/performance.md``). Torch packs it for one row count
+whole ``generate`` calls of 32 new tokens at batch 32 1.085-1.16x; ``docs/performance.md``). Torch packs it for one row count
 (:meth:`PackedLinear.pack_rows`, the decode batch) and runs ``F.linear`` for any other, so a linear packed
 for MKL keeps its plain weight for the other calls. Its outputs equalled ``F.linear``'s bit for bit at the
 packed row count there.
@@ -66,17 +66,6 @@ def mkl_packing_available() -> bool:
         out = torch.ops.mkl._mkl_linear(x, packed, weight, None, 2)
         return out.shape == (2, 8) and bool((out == 16).all())
     except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-
-
-@functools.cache
-def intel_cpu() -> bool:
-    """Whether ``/proc/cpuinfo`` names an Intel CPU: MKL's packed fp32 GEMM was measured to win on one (a Cascade Lake
-    Xeon) and not on any AMD CPU, where MKL may choose other kernels; callers enable it by default only here."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return any(line.partition(":")[2].strip() == "GenuineIntel" for line in f if line.startswith("vendor_id"))
-    except OSError:
         return False
 
 

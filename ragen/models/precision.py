@@ -21,18 +21,29 @@ _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU advertises bf16 arithmetic (x86 ``avx512_bf16``/``amx_bf16``, Arm ``bf16``)."""
+def _cpuinfo() -> dict[str, tuple[str, ...]]:
+    """``/proc/cpuinfo``'s fields, ``{key: (each processor's value, ...)}`` (empty where it cannot be read)."""
+    fields: dict[str, list[str]] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags: set[str] = set()
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-    except OSError:  # not Linux: be conservative
-        return False
+                fields.setdefault(key.strip(), []).append(value.strip())
+    except OSError:  # not Linux: nothing known
+        pass
+    return {key: tuple(values) for key, values in fields.items()}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises bf16 arithmetic (x86 ``avx512_bf16``/``amx_bf16``, Arm ``bf16``)."""
+    info = _cpuinfo()  # not Linux: no flags, be conservative
+    flags = {flag for key in ("flags", "Features") for value in info.get(key, ()) for flag in value.split()}
     return any(flag in flags for flag in _NATIVE_BF16_FLAGS) or "bf16" in flags
+
+
+def intel_cpu() -> bool:
+    """Whether ``/proc/cpuinfo`` names an Intel CPU (``vendor_id`` ``GenuineIntel``)."""
+    return "GenuineIntel" in _cpuinfo().get("vendor_id", ())
 
 
 def resolve_precision(precision: str, device: str = "auto") -> str:

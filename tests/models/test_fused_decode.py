@@ -11,11 +11,12 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS, FusedDecoder, SharedPrefix, _attend_grouped, _attend_shared, \
-    fused_decode_for, unsupported_reason
+from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS, FusedDecoder, \
+    SharedPrefix, _attend_grouped, _attend_shared, fused_decode_for, unsupported_reason
 from ragen.models.fused_decode import OWN_CHUNK
 from ragen.models.growing_cache import make_growing
-from ragen.models.packed_linear import intel_cpu, mkl_packing_available, packing_available
+from ragen.models.packed_linear import mkl_packing_available, packing_available
+from ragen.models.precision import intel_cpu
 
 from tests.models.small_models import SMALL, small_model
 
