@@ -28,8 +28,10 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "note: chromium not installed; the browser test will skip"; }
 
+# Tests run on one pytest-xdist worker per core (at most 4), each with its share of the OpenMP threads
+# (tests/conftest.py); the Ray tests keep one worker and one Ray session (--dist loadgroup).
 test: setup browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

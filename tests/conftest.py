@@ -7,6 +7,11 @@ if os.environ.get("RAGEN_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`pytest -n N`) the workers share the cores: each one (and the processes its tests start)
+# gets its share of OpenMP threads instead of every worker taking them all, unless the caller set a count.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 import pytest  # noqa: E402
 
