@@ -260,25 +260,35 @@ class FusedWeights:
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMS norm, operation for operation: ``w · (x / sqrt(mean(x²) + eps))`` in fp32, cast back before ``w``."""
+    """Llama's RMS norm ``w · (x / sqrt(mean(x²) + eps))`` in fp32, cast back to ``h``'s dtype before ``w``.
+
+    Operation for operation as transformers' ``LlamaRMSNorm``; for fp32 ``h`` and ``w`` torch's one-call
+    ``F.rms_norm`` instead (the same value bit for bit, ``tests/models/test_fused_decode.py``; ~10 % faster in a
+    decode step on a Cascade Lake Xeon, where each of the six separate ops costs 20-30 µs there)."""
+    if h.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(h, (h.shape[-1],), weight, eps)
     x = h.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(h.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(B, heads, D)`` with ``cos``/``sin`` ``(B | 1, 1, D)``.
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, [-sin₁, sin₂])``: the tables :func:`_rotate` takes, made once per pass from ``rotary_emb``'s ``(..., D)``."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
-    ``rotate_half(x) = [-x₂, x₁]``, so the halves are ``x₁·cos₁ - x₂·sin₁`` and ``x₂·cos₂ + x₁·sin₂``: the same
-    products and sums as transformers' ``apply_rotary_pos_emb`` (``a + (-b)`` is ``a - b`` exactly), without the
-    concatenation.
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(..., heads, D)``, in fp32 (``cos``'s dtype).
+
+    ``cos`` and ``signed_sin`` (:func:`rotary_tables`) broadcast against ``x`` (``(B | 1, 1, D)`` for ``(B, heads,
+    D)``). ``rotate_half(x)·sin = [-x₂·sin₁, x₁·sin₂] = swap(x)·[-sin₁, sin₂]`` with ``swap(x) = [x₂, x₁]``, so each half
+    gets the same products and sums as transformers' ``apply_rotary_pos_emb`` (``-(a·b)`` is ``a·(-b)`` and ``a + (-b)``
+    is ``a - b`` exactly): four ops, no concatenation. A bf16 ``x`` is promoted exactly to fp32 by the products.
     """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = x * cos  # (B, heads, D)
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (..., heads, D): [x₂, x₁]
+    return x * cos + swapped * signed_sin
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -473,7 +483,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         h = inner.embed_tokens(input_ids)  # (B, 1, C), the residual stream's dtype
         if position_ids is None:
             position_ids = torch.full((1, 1), past, dtype=torch.long, device=input_ids.device)
-        cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (B | 1, 1, D)
+        cos, signed_sin = rotary_tables(*inner.rotary_emb(h, position_ids=position_ids))  # (B | 1, 1, D)
         h = h[:, 0]  # (B, C)
         padding = None
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -482,8 +492,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
-            qk = qkv[:, : q_width + kv_width].to(cos.dtype, memory_format=torch.contiguous_format)
-            qk = _rotate(qk.view(B, H + H_kv, D), cos, sin)  # (B, H + H_kv, D) query and key heads, rotated together
+            qk = qkv[:, : q_width + kv_width].reshape(B, H + H_kv, D)  # a view of a row-major output
+            qk = _rotate(qk, cos, signed_sin)  # (B, H + H_kv, D) fp32: query and key heads, rotated together
             key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
             value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
             keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)

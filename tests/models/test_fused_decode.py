@@ -416,21 +416,25 @@ def test_grouped_steps_stop_when_a_step_went_elsewhere_or_an_own_column_is_paddi
 
 
 def test_rotary_and_rms_norm_are_transformers_bit_for_bit():
-    """The fused passes' rotary embedding and RMS norm compute transformers' Llama operations exactly."""
+    """The fused passes' rotary embedding and RMS norm compute transformers' Llama operations exactly: fp32 and bf16,
+    the rotation's input in fp32 or as a bf16 projection's output, the norm op by op or (fp32) as ``F.rms_norm``."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from ragen.models.fused_decode import _rms_norm, _rotate
+    from ragen.models.fused_decode import _rms_norm, _rotate, rotary_tables
 
     g = torch.Generator().manual_seed(11)
     for scale in (1e-3, 1.0, 1e3):
         q = torch.randn(5, 9, 7, 64, generator=g) * scale  # (B, heads, T, D)
         cos, sin = torch.randn(5, 7, 64, generator=g), torch.randn(5, 7, 64, generator=g)  # (B, T, D)
-        expected, _ = apply_rotary_pos_emb(q, q, cos, sin)  # unsqueezes cos/sin at dim 1
-        got = _rotate(q.transpose(1, 2), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
-        assert torch.equal(got, expected)
+        tables = rotary_tables(cos[:, :, None], sin[:, :, None])  # (B, T, 1, D)
+        for q_in in (q, q.bfloat16()):  # a bf16 projection's output is rotated in fp32, as transformers upcasts it
+            expected, _ = apply_rotary_pos_emb(q_in.float(), q_in.float(), cos, sin)  # unsqueezes cos/sin at dim 1
+            got = _rotate(q_in.transpose(1, 2), *tables).transpose(1, 2)
+            assert got.dtype == torch.float32 and torch.equal(got, expected), (scale, q_in.dtype)
         for dtype in (torch.float32, torch.bfloat16):
-            norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
-            with torch.no_grad():
-                norm.weight.copy_(torch.randn(64, generator=g))
-            h = (torch.randn(6, 3, 64, generator=g) * scale).to(dtype)
-            assert torch.equal(_rms_norm(h, norm.weight.detach(), 1e-6), norm(h).detach()), (scale, dtype)
+            for width, shape in ((64, (6, 3)), (576, (32,)), (576, (8, 68))):  # SmolLM2's width: decode and prefill
+                norm = LlamaRMSNorm(width, eps=1e-6).to(dtype)
+                with torch.no_grad():
+                    norm.weight.copy_(torch.randn(width, generator=g))
+                h = (torch.randn(*shape, width, generator=g) * scale).to(dtype)
+                assert torch.equal(_rms_norm(h, norm.weight.detach(), 1e-6), norm(h).detach()), (scale, dtype, shape)
