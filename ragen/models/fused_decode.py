@@ -263,8 +263,8 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """Llama's RMS norm ``w · (x / sqrt(mean(x²) + eps))`` in fp32, cast back to ``h``'s dtype before ``w``.
 
     Operation for operation as transformers' ``LlamaRMSNorm``; for fp32 ``h`` and ``w`` torch's one-call
-    ``F.rms_norm`` instead (the same value bit for bit, ``tests/models/test_fused_decode.py``; ~10 % faster in a
-    decode step on a Cascade Lake Xeon, where each of the six separate ops costs 20-30 µs there)."""
+    ``F.rms_norm`` instead (the same value bit for bit, ``tests/models/test_fused_decode.py``; ~3 % faster inside a
+    decode step on a Cascade Lake Xeon, docs/performance.md)."""
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(h, (h.shape[-1],), weight, eps)
     x = h.float()
@@ -279,12 +279,13 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(..., heads, D)``, in fp32 (``cos``'s dtype).
+    """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(..., heads, D)``, in the promoted dtype of ``x`` and ``cos``.
 
     ``cos`` and ``signed_sin`` (:func:`rotary_tables`) broadcast against ``x`` (``(B | 1, 1, D)`` for ``(B, heads,
     D)``). ``rotate_half(x)·sin = [-x₂·sin₁, x₁·sin₂] = swap(x)·[-sin₁, sin₂]`` with ``swap(x) = [x₂, x₁]``, so each half
     gets the same products and sums as transformers' ``apply_rotary_pos_emb`` (``-(a·b)`` is ``a·(-b)`` and ``a + (-b)``
-    is ``a - b`` exactly): four ops, no concatenation. A bf16 ``x`` is promoted exactly to fp32 by the products.
+    is ``a - b`` exactly): four ops, no concatenation. A bf16 ``x`` with fp32 tables (autocast) is promoted exactly to
+fp32 by the products, as transformers upcasts it; any memory layout of ``x`` works (the products make new tensors).
     """
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (..., heads, D): [x₂, x₁]
@@ -492,8 +493,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
-            qk = qkv[:, : q_width + kv_width].reshape(B, H + H_kv, D)  # a view of a row-major output
-            qk = _rotate(qk, cos, signed_sin)  # (B, H + H_kv, D) fp32: query and key heads, rotated together
+            qk = qkv[:, : q_width + kv_width].reshape(B, H + H_kv, D)  # a view (row- or column-major output)
+            qk = _rotate(qk, cos, signed_sin)  # (B, H + H_kv, D) in cos's dtype: query and key heads, rotated together
             key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
             value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
             keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)

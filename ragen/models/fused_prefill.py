@@ -114,7 +114,7 @@ def _pass(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask:
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, T, C)
             qkv = w.qkv(x)  # (B, T, H·D + 2·H_kv·D)
-            qk = _rotate(qkv[..., : q_width + kv_width].reshape(B, T, H + H_kv, D), cos, signed_sin)  # (B, T, H + H_kv, D) fp32
+            qk = _rotate(qkv[..., : q_width + kv_width].reshape(B, T, H + H_kv, D), cos, signed_sin)  # (B, T, H + H_kv, D), cos's dtype
             query = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
             key = qk[:, :, H:].transpose(1, 2).contiguous()  # (B, H_kv, T, D) fp32, as transformers caches it
             value = qkv[..., q_width + kv_width :].reshape(B, T, H_kv, D).transpose(1, 2).contiguous()  # (B, H_kv, T, D)

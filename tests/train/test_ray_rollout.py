@@ -18,9 +18,6 @@ from ragen.config import load_config  # noqa: E402
 from ragen.train.ray_rollout import build_slots, init_ray, partition, split_evenly, worker_seed  # noqa: E402
 from ragen.train.trainer import StarPOTrainer  # noqa: E402
 
-# Under `pytest -n N --dist loadgroup` (make test) the module's tests share one worker, hence one Ray session.
-pytestmark = pytest.mark.xdist_group("ray")
-
 # 3 groups of 2 over 2 workers: unequal slices (2 groups | 1 group), 2-turn Sokoban episodes.
 BASE = ["model=tiny", "rollout.env_groups=3", "rollout.group_size=2", "rollout.max_new_tokens=8", "agent.max_turn=2",
         "trainer.val_episodes=2", "trainer.progress_bar=false", "trainer.precision=fp32"]
