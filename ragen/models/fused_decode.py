@@ -272,24 +272,24 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(h.dtype)
 
 
-def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, [-sin₁, sin₂])``: the tables :func:`_rotate` takes, made once per pass from ``rotary_emb``'s ``(..., D)``."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``[-sin₁, sin₂]`` from ``rotary_emb``'s ``sin`` ``(..., D)``: the table :func:`_rotate` takes, made once per pass."""
     half = sin.shape[-1] // 2
-    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotary embedding ``x·cos + rotate_half(x)·sin`` on ``(..., heads, D)``, in the promoted dtype of ``x`` and ``cos``.
 
-    ``cos`` and ``signed_sin`` (:func:`rotary_tables`) broadcast against ``x`` (``(B | 1, 1, D)`` for ``(B, heads,
+    ``cos`` and ``sin_signed`` (:func:`signed_sin`) broadcast against ``x`` (``(B | 1, 1, D)`` for ``(B, heads,
     D)``). ``rotate_half(x)·sin = [-x₂·sin₁, x₁·sin₂] = swap(x)·[-sin₁, sin₂]`` with ``swap(x) = [x₂, x₁]``, so each half
     gets the same products and sums as transformers' ``apply_rotary_pos_emb`` (``-(a·b)`` is ``a·(-b)`` and ``a + (-b)``
     is ``a - b`` exactly): four ops, no concatenation. A bf16 ``x`` with fp32 tables (autocast) is promoted exactly to
-fp32 by the products, as transformers upcasts it; any memory layout of ``x`` works (the products make new tensors).
+    fp32 by the products, as transformers upcasts it; any memory layout of ``x`` works (the products make new tensors).
     """
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (..., heads, D): [x₂, x₁]
-    return x * cos + swapped * signed_sin
+    return x * cos + swapped * sin_signed
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -484,7 +484,8 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         h = inner.embed_tokens(input_ids)  # (B, 1, C), the residual stream's dtype
         if position_ids is None:
             position_ids = torch.full((1, 1), past, dtype=torch.long, device=input_ids.device)
-        cos, signed_sin = rotary_tables(*inner.rotary_emb(h, position_ids=position_ids))  # (B | 1, 1, D)
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (B | 1, 1, D)
+        sin = signed_sin(sin)  # [-sin₁, sin₂], as _rotate takes it
         h = h[:, 0]  # (B, C)
         padding = None
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -494,7 +495,7 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
             qk = qkv[:, : q_width + kv_width].reshape(B, H + H_kv, D)  # a view (row- or column-major output)
-            qk = _rotate(qk, cos, signed_sin)  # (B, H + H_kv, D) in cos's dtype: query and key heads, rotated together
+            qk = _rotate(qk, cos, sin)  # (B, H + H_kv, D) in cos's dtype: query and key heads, rotated together
             key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
             value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
             keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate, head_logits, mlp_residual, rotary_tables
+from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate, head_logits, mlp_residual, signed_sin
 
 
 def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tensor:
@@ -110,11 +110,12 @@ def _pass(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask:
     with torch.autocast("cpu", enabled=False):
         h = inner.embed_tokens(input_ids)  # (B, T, C), the residual stream's dtype
         cos, sin = inner.rotary_emb(h, position_ids=position_ids)  # (B, T, D)
-        cos, signed_sin = rotary_tables(cos[:, :, None], sin[:, :, None])  # (B, T, 1, D): the same for every head
+        cos, sin = cos[:, :, None], signed_sin(sin[:, :, None])  # (B, T, 1, D): the same for every head; [-sin₁, sin₂]
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, T, C)
             qkv = w.qkv(x)  # (B, T, H·D + 2·H_kv·D)
-            qk = _rotate(qkv[..., : q_width + kv_width].reshape(B, T, H + H_kv, D), cos, signed_sin)  # (B, T, H + H_kv, D), cos's dtype
+            qk = qkv[..., : q_width + kv_width].reshape(B, T, H + H_kv, D)
+            qk = _rotate(qk, cos, sin)  # (B, T, H + H_kv, D), in cos's dtype
             query = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
             key = qk[:, :, H:].transpose(1, 2).contiguous()  # (B, H_kv, T, D) fp32, as transformers caches it
             value = qkv[..., q_width + kv_width :].reshape(B, T, H_kv, D).transpose(1, 2).contiguous()  # (B, H_kv, T, D)

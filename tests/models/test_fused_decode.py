@@ -420,13 +420,13 @@ def test_rotary_and_rms_norm_are_transformers_bit_for_bit():
     the rotation's input in fp32 or as a bf16 projection's output, the norm op by op or (fp32) as ``F.rms_norm``."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from ragen.models.fused_decode import _rms_norm, _rotate, rotary_tables
+    from ragen.models.fused_decode import _rms_norm, _rotate, signed_sin
 
     g = torch.Generator().manual_seed(11)
     for scale in (1e-3, 1.0, 1e3):
         q = torch.randn(5, 9, 7, 64, generator=g) * scale  # (B, heads, T, D)
         cos, sin = torch.randn(5, 7, 64, generator=g), torch.randn(5, 7, 64, generator=g)  # (B, T, D)
-        tables = rotary_tables(cos[:, :, None], sin[:, :, None])  # (B, T, 1, D)
+        tables = cos[:, :, None], signed_sin(sin[:, :, None])  # (B, T, 1, D)
         for q_in in (q, q.bfloat16()):  # a bf16 projection's output is rotated in fp32, as transformers upcasts it
             expected, _ = apply_rotary_pos_emb(q_in.float(), q_in.float(), cos, sin)  # unsqueezes cos/sin at dim 1
             got = _rotate(q_in.transpose(1, 2), *tables).transpose(1, 2)
