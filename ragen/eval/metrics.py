@@ -7,6 +7,9 @@ from collections import defaultdict
 
 from ragen.agent.trajectory import Trajectory
 
+#: ``step`` info keys with this prefix are an env's own per-turn numbers: :func:`episode_metrics` logs their mean.
+ENV_METRIC_PREFIX = "metric/"
+
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """Success, rewards, action validity/effectiveness, lengths and group pass@k of ``trajectories``.
@@ -21,6 +24,8 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     * ``actions_per_episode``, ``turns_per_episode``, ``response_length`` (model tokens per turn);
     * ``pass@k`` -- with groups of ``k >= 2`` episodes sharing a seed (training groups): share of
       groups with at least one success (the unbiased pass@k with n = k).
+    * ``info_<name>`` -- an env's own per-turn number: the mean of ``info["metric/<name>"]`` (bool, int or float)
+      over the turns whose ``step`` reported it (:data:`ENV_METRIC_PREFIX`; Bandit's ``info_second_listed``).
 
     Episodes whose env raised are counted in ``{prefix}/env_errors`` and left out of the rest.
     """
@@ -50,6 +55,12 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
             f"{prefix}/response_length": sum(t.response_length for t in ok) / max(1, len(turns)),
         }
     )
+    reported: dict[str, list[float]] = defaultdict(list)  # an env's own numbers, by name
+    for turn in turns:
+        for key, value in turn.info.items():
+            if key.startswith(ENV_METRIC_PREFIX) and isinstance(value, (bool, int, float)):
+                reported[key[len(ENV_METRIC_PREFIX) :]].append(float(value))
+    out.update({f"{prefix}/info_{name}": statistics.fmean(values) for name, values in sorted(reported.items())})
     scored = [turn.prediction_correct for turn in turns if turn.prediction_correct is not None]
     if scored:
         out[f"{prefix}/prediction_accuracy"] = sum(scored) / len(scored)

@@ -97,3 +97,15 @@ def test_success_is_pulling_the_arm_with_the_higher_expected_payoff(low_payoff, 
         env.reset(seed=seed)
         _, _, _, _, info = env.step(3 - best_action)
         assert not info["success"]
+
+
+def test_step_reports_whether_the_second_listed_arm_was_pulled():
+    """``info["metric/second_listed"]`` is 1.0 exactly when the answer named the arm shown second."""
+    env = ragen.envs.make("bandit")
+    for seed in range(20):
+        obs, _ = env.reset(seed=seed)
+        second = env.action_lookup[2]
+        assert obs.index(env.action_lookup[1]) < obs.index(second)  # action 2 is the arm listed second
+        action = 1 + seed % 2
+        _, _, _, _, info = env.step(action)
+        assert info["metric/second_listed"] == (1.0 if action == 2 else 0.0)
