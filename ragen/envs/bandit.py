@@ -75,7 +75,8 @@ class BanditEnv(TextEnv):
     ## Information
     ``success`` (the arm with the higher expected payoff was pulled: the high arm unless a
     config makes ``high_prob * high_payoff`` <= ``low_payoff``), ``action_is_valid``, ``action_is_effective``
-    (always True for a valid pull), ``high_arm`` (its name).
+    (always True for a valid pull), ``high_arm`` (its name), ``metric/second_listed`` (1.0 when the pulled arm is
+    the one listed second, else 0.0; logged as ``info_second_listed``).
 
     ## Arguments
     ``name_set`` ("train" | "train_wide" | "test"; ``train_wide`` is ``train`` plus 24 names per

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -24,8 +25,9 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     * ``actions_per_episode``, ``turns_per_episode``, ``response_length`` (model tokens per turn);
     * ``pass@k`` -- with groups of ``k >= 2`` episodes sharing a seed (training groups): share of
       groups with at least one success (the unbiased pass@k with n = k).
-    * ``info_<name>`` -- an env's own per-turn number: the mean of ``info["metric/<name>"]`` (bool, int or float)
-      over the turns whose ``step`` reported it (:data:`ENV_METRIC_PREFIX`; Bandit's ``info_second_listed``).
+    * ``info_<name>`` -- an env's own per-turn number: the mean of ``info["metric/<name>"]`` (a finite bool, int or
+      float) over the turns whose ``step`` reported it, a turn counting the value of its last step that did (a turn
+      whose answer did not parse steps nothing; :data:`ENV_METRIC_PREFIX`; Bandit's ``info_second_listed``).
 
     Episodes whose env raised are counted in ``{prefix}/env_errors`` and left out of the rest.
     """
@@ -58,7 +60,7 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     reported: dict[str, list[float]] = defaultdict(list)  # an env's own numbers, by name
     for turn in turns:
         for key, value in turn.info.items():
-            if key.startswith(ENV_METRIC_PREFIX) and isinstance(value, (bool, int, float)):
+            if key.startswith(ENV_METRIC_PREFIX) and isinstance(value, (bool, int, float)) and math.isfinite(value):
                 reported[key[len(ENV_METRIC_PREFIX) :]].append(float(value))
     out.update({f"{prefix}/info_{name}": statistics.fmean(values) for name, values in sorted(reported.items())})
     scored = [turn.prediction_correct for turn in turns if turn.prediction_correct is not None]

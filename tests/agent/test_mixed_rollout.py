@@ -160,3 +160,23 @@ def test_sokoban_prediction_is_checked_against_the_true_next_grid(tokenizer):
         [traj] = Rollout(backend, tokenizer, settings, SamplingParams()).run([copy.deepcopy(env)], [3], [0], "sokoban")
         assert traj.turns[0].observation == true_next
         assert traj.turns[0].prediction_reward == expected
+
+
+def test_env_metrics_reach_the_turns_and_the_episode_metrics(tokenizer):
+    """Bandit's ``info["metric/second_listed"]`` survives the rollout into ``Turn.info`` and the logged metrics; a
+    turn whose answer does not parse never steps the env and so reports nothing."""
+    from ragen.eval.metrics import episode_metrics
+
+    arms = []  # (first-listed, second-listed) per seed, as the rollout's envs will show them
+    for seed in range(4):
+        env = make("bandit")
+        env.reset(seed=seed)
+        arms.append((env.action_lookup[1], env.action_lookup[2]))
+    answers = [arms[0][1], arms[1][1], arms[2][0], None]  # second, second, first, unparsable
+    replies = {first + " and " + second: f"<think>t</think><answer>{a}</answer>" if a else "no answer"
+               for (first, second), a in zip(arms, answers)}
+    backend = ReplyBackend(tokenizer, lambda text, i: next(r for key, r in replies.items() if key in text))
+    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run(
+        [make("bandit") for _ in range(4)], [0, 1, 2, 3], [0, 1, 2, 3], "bandit")
+    assert [t.turns[0].info.get("metric/second_listed") for t in trajs] == [1.0, 1.0, 0.0, None]
+    assert episode_metrics(trajs, "val")["val/info_second_listed"] == pytest.approx(2 / 3)

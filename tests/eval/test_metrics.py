@@ -28,3 +28,8 @@ def test_env_metrics_are_averaged_over_the_turns_that_report_them():
 def test_non_numeric_and_unprefixed_info_is_not_a_metric():
     out = episode_metrics([_episode({"metric/arm": "Pirate", "success": True, "high_arm": "Pirate"})], "train")
     assert not [k for k in out if "info_" in k]
+
+
+def test_a_nan_report_is_left_out():
+    out = episode_metrics([_episode({"metric/x": float("nan")}), _episode({"metric/x": 0.5})], "train")
+    assert out["train/info_x"] == 0.5
