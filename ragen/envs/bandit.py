@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from ragen.envs.base import TextEnv, build_config
+from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, build_config
 from ragen.envs.registry import register
 
 # Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
@@ -144,7 +144,7 @@ class BanditEnv(TextEnv):
             "high_arm": self.action_lookup[self.high_action],
             # 1.0 when the answer named the second-listed arm: a policy that ignores the names and always answers one
             # position shows up as 0 or 1 here (the high arm's place is random; docs/main_job.md, "Names or position?")
-            "metric/second_listed": float(action == 2),
+            ENV_METRIC_PREFIX + "second_listed": float(action == 2),
         }
         return self.render(), float(reward), True, False, info
 

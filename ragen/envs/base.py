@@ -23,6 +23,10 @@ import dataclasses
 
 import gymnasium as gym
 
+#: ``step`` info keys with this prefix are an env's own per-turn numbers (``info["metric/<name>"]``): training and
+#: validation log their mean per tag as ``info_<name>`` (:func:`ragen.eval.metrics.episode_metrics`).
+ENV_METRIC_PREFIX = "metric/"
+
 
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
     """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type."""

@@ -7,9 +7,7 @@ import statistics
 from collections import defaultdict
 
 from ragen.agent.trajectory import Trajectory
-
-#: ``step`` info keys with this prefix are an env's own per-turn numbers: :func:`episode_metrics` logs their mean.
-ENV_METRIC_PREFIX = "metric/"
+from ragen.envs.base import ENV_METRIC_PREFIX
 
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
