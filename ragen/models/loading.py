@@ -66,9 +66,12 @@ def load_model(spec: str, *, seed: int = 0):
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from peft import PeftModel
 
+        from ragen.models.lora import peft_quietly
+
         base_spec, base_seed = adapter_base(path)
         base, _ = load_model(base_spec, seed=base_seed)
-        model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        with peft_quietly():
+            model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(path)

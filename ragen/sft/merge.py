@@ -24,6 +24,7 @@ def merge_adapter(spec: str | Path, out: str | Path) -> dict:
     from transformers import AutoTokenizer
 
     from ragen.models.loading import load_model
+    from ragen.models.lora import peft_quietly
 
     path = resolve_model_path(str(spec))
     if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
@@ -33,7 +34,8 @@ def merge_adapter(spec: str | Path, out: str | Path) -> dict:
         raise ModelLoadError(f"--out {out} already holds a model (config.json); choose another directory")
     base_spec, base_seed = adapter_base(path)
     base, _ = load_model(base_spec, seed=base_seed)
-    merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    with peft_quietly():
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(path)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)
