@@ -3,7 +3,8 @@ unequal token counts, the tolerances a multi-rank update is held to, and forking
 
 from __future__ import annotations
 
-import socket
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -58,11 +59,9 @@ def assert_adam_steps_close(actual: torch.Tensor, expected: torch.Tensor, grad: 
     assert float((actual - expected).abs().max()) <= 2 * lr * 1.01
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(fn, *args) -> None:
-    mp.start_processes(fn, args=(_free_port(), *args), nprocs=WORLD, start_method="fork", join=True)
+    """``fn(rank, init_method, *args)`` in ``WORLD`` forked ranks. They meet through a file store in a fresh temp dir,
+    not a TCP port: a port found free and then released can be taken by a parallel test (xdist) before rank 0 binds it."""
+    with tempfile.TemporaryDirectory(prefix="ragen-dist-") as tmp:
+        init_method = (Path(tmp) / "store").as_uri()
+        mp.start_processes(fn, args=(init_method, *args), nprocs=WORLD, start_method="fork", join=True)

@@ -2,8 +2,8 @@
 
 The ranks are forked (``torch.multiprocessing.start_processes(start_method="fork")``, the
 same API as ``spawn``): a spawned child would re-import torch and transformers (~25 s each on
-this machine), a forked one inherits the trainer built once here. They meet over TCP on
-127.0.0.1 at a free port and run the real ``StarPOTrainer.optimizer_step``.
+this machine), a forked one inherits the trainer built once here. They meet through a file
+store in a fresh temp dir (no port to race for) and run the real ``StarPOTrainer.optimizer_step``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ragen.train.distributed import reduce_metrics, shard
 from ragen.train.trainer import StarPOTrainer
 
 from tests.train.distributed_helpers import (
-    WORLD, _free_port, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
+    WORLD, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
 )
 
 
@@ -41,9 +41,9 @@ def snapshot(trainer) -> dict:
     }
 
 
-def _rank_step(rank, port, trainer, batch, targets, out_dir):
+def _rank_step(rank, init_method, trainer, batch, targets, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
         metrics = trainer.optimizer_step(batch, targets)
         torch.save({**snapshot(trainer), "metrics": metrics}, out_dir / f"rank{rank}.pt")
@@ -138,7 +138,7 @@ def test_torchrun_train_matches_single_process(tmp_path, fsdp):
               "algorithm.adv_estimator=reinforce_pp", "algorithm.mini_batch_size=4", "optim.lr=1e-3", "trainer.plot=false",
               f"trainer.fsdp={str(fsdp).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     "-m", "ragen", "train", *common, f"trainer.output_dir={tmp_path / 'ddp'}"], env=env, check=True, timeout=600)
     assert main(["train", *common, f"trainer.output_dir={tmp_path / 'solo'}"]) == 0
     rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("ddp", "solo")]

@@ -21,7 +21,7 @@ from ragen.train.distributed import micro_batch_count, shard
 from ragen.train.fsdp import full_tensor
 from ragen.train.trainer import StarPOTrainer
 from tests.train.distributed_helpers import (
-    WORLD, _free_port, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
+    WORLD, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
 )
 
 OVERRIDES = [
@@ -52,9 +52,9 @@ def steps(trainer, batch, targets):
     return metrics, grads, layers_after_score
 
 
-def _fsdp_step(rank, port, out_dir):
+def _fsdp_step(rank, init_method, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         trainer = make_trainer(out_dir / "run", STEP)
         layer = decoder_layers(trainer.model)[0]
@@ -151,9 +151,9 @@ COMMON = ["optim.lr=1e-4", "trainer.total_steps=2", "rollout.env_groups=2", "rol
           "algorithm.adv_estimator=reinforce_pp", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=1"]
 
 
-def _fsdp_train(rank, port, out_dir, extra, resume):
+def _fsdp_train(rank, init_method, out_dir, extra, resume):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         StarPOTrainer(load_config("sokoban", [*OVERRIDES, *COMMON, *extra, f"trainer.output_dir={out_dir}"]),
                       resume=resume).train()
@@ -219,13 +219,13 @@ def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
             assert rows[0][3][key] == pytest.approx(rows[1][3][key], rel=1e-4, abs=1e-5, nan_ok=True), key
 
 
-def _fsdp_layouts(rank, port, out_dir):
+def _fsdp_layouts(rank, init_method, out_dir):
     """Each rank's own layout choice forced (rank 0 would pack, rank 1 would split), then both packing."""
     import ragen.train.logprobs as logprobs
     import ragen.train.trainer as trainer_module
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         trainer = make_trainer(out_dir / "run")
         taken = []
