@@ -41,6 +41,10 @@ NAMES = {
     },
 }
 
+#: How ``reset`` orders the two arms: "drawn" from the seeded generator (RAGEN's Bandit), or by "seed_parity" (the
+#: high arm second exactly on odd seeds: a position-balanced set of consecutive validation seeds).
+ARM_ORDERS = ("drawn", "seed_parity")
+
 _CHARSET = frozenset("".join(chr(c) for c in range(32, 127)) + "\n")
 
 
@@ -63,7 +67,9 @@ class BanditEnv(TextEnv):
     ``Text``: a sentence listing both arms.
 
     ## Starting State
-    Arm names and their order are drawn from ``np_random`` at ``reset(seed=...)``.
+    Arm names and their order are drawn from ``np_random`` at ``reset(seed=...)``. With
+    ``arm_order="seed_parity"`` the order is instead set by the seed: the high arm is listed
+    second exactly when the seed is odd (the names and the payoff draw stay those of the seed).
 
     ## Rewards
     The arm's payoff. The payoff draw uses the same seeded generator, so the same seed
@@ -80,7 +86,10 @@ class BanditEnv(TextEnv):
 
     ## Arguments
     ``name_set`` ("train" | "train_wide" | "test"; ``train_wide`` is ``train`` plus 24 names per
-    side, for SFT data), ``low_payoff``, ``high_payoff``, ``high_prob``.
+    side, for SFT data), ``low_payoff``, ``high_payoff``, ``high_prob``, ``arm_order`` ("drawn" |
+    "seed_parity"; the built-in ``Bandit`` and ``BanditTest`` validation tags use "seed_parity", so that
+    on consecutive seeds half the episodes list the high arm first and a policy that answers by position
+    scores exactly 0.5 on an even count: docs/main_job.md, "Names or position?").
     """
 
     description = "Two named arms, one pull: infer from the names which arm pays more on average."
@@ -97,10 +106,13 @@ class BanditEnv(TextEnv):
         low_payoff: float = 0.1
         high_payoff: float = 1.0
         high_prob: float = 0.25
+        arm_order: str = "drawn"
 
         def validate(self) -> None:
             if self.name_set not in NAMES:
                 raise ValueError(f"bandit: name_set must be one of {sorted(NAMES)}, got {self.name_set!r}")
+            if self.arm_order not in ARM_ORDERS:
+                raise ValueError(f"bandit: arm_order must be one of {list(ARM_ORDERS)}, got {self.arm_order!r}")
             if not 0.0 <= self.high_prob <= 1.0:
                 raise ValueError(f"bandit: high_prob must be in [0, 1], got {self.high_prob}")
 
@@ -116,7 +128,11 @@ class BanditEnv(TextEnv):
         names = NAMES[self.config.name_set]
         low = names["low"][self.np_random.integers(len(names["low"]))]
         high = names["high"][self.np_random.integers(len(names["high"]))]
-        self.high_action = int(self.np_random.integers(1, 3))
+        self.high_action = int(self.np_random.integers(1, 3))  # drawn either way: later draws stay the seed's
+        if self.config.arm_order == "seed_parity":
+            if seed is None:
+                raise ValueError("bandit: arm_order='seed_parity' needs reset(seed=...)")
+            self.high_action = 2 if seed % 2 else 1
         self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
         self._done = False
         return self.render(), {"high_arm": high}

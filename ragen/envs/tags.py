@@ -47,16 +47,17 @@ PRESET_TAGS: dict[str, dict[str, Any]] = {
         "config": {"size": 4, "is_slippery": True},
         "max_turn": 5, "max_actions_per_turn": 2, "max_actions_per_traj": 10,
     },
-    # One pull; arm names from the training lists.
+    # One pull; arm names from the training lists. The seed's parity sets which place the high arm is listed in, so
+    # consecutive validation seeds are position-balanced: answering by position scores 0.5 (docs/main_job.md).
     "Bandit": {
         "env": "bandit",
-        "config": {"name_set": "train"},
+        "config": {"name_set": "train", "arm_order": "seed_parity"},
         "max_turn": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1,
     },
     # One pull; arm names never seen in training (the generalisation test of RAGEN's Bandit).
     "BanditTest": {
         "env": "bandit",
-        "config": {"name_set": "test"},
+        "config": {"name_set": "test", "arm_order": "seed_parity"},
         "max_turn": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1,
     },
     # One arithmetic expression per episode.

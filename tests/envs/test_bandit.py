@@ -109,3 +109,37 @@ def test_step_reports_whether_the_second_listed_arm_was_pulled():
         action = 1 + seed % 2
         _, _, _, _, info = env.step(action)
         assert info["metric/second_listed"] == (1.0 if action == 2 else 0.0)
+
+
+def test_seed_parity_order_balances_consecutive_seeds_and_keeps_names_and_payoffs():
+    """``arm_order="seed_parity"`` lists the high arm second exactly on odd seeds, so the 64 validation seeds split
+    32 / 32 (a position habit scores 0.5), while the names and the payoff draw stay the seed's."""
+    from ragen.train.trainer import VAL_SEED_BASE
+
+    drawn, parity = ragen.envs.make("bandit"), ragen.envs.make("bandit", arm_order="seed_parity")
+    seeds = [VAL_SEED_BASE + i for i in range(64)]
+    second = 0
+    for seed in seeds:
+        drawn.reset(seed=seed)
+        obs, info = parity.reset(seed=seed)
+        assert parity.high_action == (2 if seed % 2 else 1)
+        assert info["high_arm"] == drawn.action_lookup[drawn.high_action]
+        assert set(parity.action_lookup.values()) == set(drawn.action_lookup.values())
+        assert obs.index(parity.action_lookup[1]) < obs.index(parity.action_lookup[2])
+        assert parity.step(parity.high_action)[1] == drawn.step(drawn.high_action)[1]  # same payoff draw
+        second += parity.high_action == 2
+    assert second == 32
+    # the drawn order of these seeds is not balanced (why the validation tags use the parity)
+    assert sum(drawn.reset(seed=s) is not None and drawn.high_action == 2 for s in seeds) == 39
+
+
+def test_seed_parity_order_needs_a_seed_and_a_known_name():
+    with pytest.raises(ValueError, match="arm_order must be one of \\['drawn', 'seed_parity'\\]"):
+        ragen.envs.make("bandit", arm_order="random")
+    env = ragen.envs.make("bandit", arm_order="seed_parity")
+    with pytest.raises(ValueError, match="needs reset\\(seed=...\\)"):
+        env.reset()
+    # the validation tags use it
+    from ragen.envs.tags import resolve_tag
+
+    assert all(resolve_tag(t).config["arm_order"] == "seed_parity" for t in ("Bandit", "BanditTest"))

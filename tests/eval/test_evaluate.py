@@ -168,7 +168,7 @@ def test_eval_plays_the_configs_validation_tags(tmp_path):
     example = lake_report["examples"]["greedy"][0]
     assert example["tag"] == "Lake" and len(example["turns"]) <= 2
     assert bandit_report["env"] == "bandit" and bandit_report["episodes"] == 3
-    assert bandit_report["env_config"] == {"name_set": "test"}
+    assert bandit_report["env_config"] == {"name_set": "test", "arm_order": "seed_parity"}
     assert lake_report["baselines"]["expert"]["success"] == 1.0  # deterministic lake: the planner always arrives
     # FrozenLake episodes are replayed and scored against the exact optimum; on deterministic ice
     # the value estimate of each episode is its success, so the means agree exactly.
