@@ -24,6 +24,7 @@ from ragen.agent.context import ChatTokens, PromptFormat
 from ragen.agent.parser import ParsedResponse, parse_response
 from ragen.agent.rewards import extract_prediction, prediction_matches, think_is_well_formed
 from ragen.agent.trajectory import Trajectory, Turn
+from ragen.envs.base import GROUP_MEMBER_OPTION
 from ragen.models.backend import SamplingParams
 
 
@@ -142,7 +143,8 @@ class Rollout:
         ``env_name`` names every env (one string) or each one; ``settings[i]`` (default: the
         rollout's) and ``tags[i]`` (default: the env name) belong to ``envs[i]``. Episodes with
         different horizons share each turn's batched ``generate`` call while they last (within a
-        wave, see ``max_in_flight``).
+        wave, see ``max_in_flight``). Each env is reset with ``options={"group_member": j}``, ``j``
+        its place among this call's envs of the same group id (``group_members``).
         """
         n = len(envs)
         names = [env_name] * n if isinstance(env_name, str) else list(env_name)
@@ -150,9 +152,10 @@ class Rollout:
         tag_names = list(tags) if tags is not None else names
         if not len(names) == len(per_env) == len(tag_names) == len(seeds) == len(group_ids) == n:
             raise ValueError("Rollout.run: envs, seeds, group_ids, env names, settings and tags must have one entry per env")
+        members = group_members(group_ids)
         episodes = [
-            self._start(env, seed, gid, name, self._protocol(s), tag)
-            for env, seed, gid, name, s, tag in zip(envs, seeds, group_ids, names, per_env, tag_names)
+            self._start(env, seed, gid, member, name, self._protocol(s), tag)
+            for env, seed, gid, member, name, s, tag in zip(envs, seeds, group_ids, members, names, per_env, tag_names)
         ]
         wave = self.max_in_flight or max(n, 1)
         for start in range(0, n, wave):
@@ -186,11 +189,13 @@ class Rollout:
 
     # -- one episode -------------------------------------------------------------------
 
-    def _start(self, env: gym.Env, seed: int, group_id: int, env_name: str, protocol: _Protocol, tag: str) -> _Episode:
+    def _start(
+        self, env: gym.Env, seed: int, group_id: int, member: int, env_name: str, protocol: _Protocol, tag: str
+    ) -> _Episode:
         settings = protocol.settings
-        traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed, tag=tag)
+        traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed, tag=tag, group_member=member)
         try:
-            observation, _ = env.reset(seed=seed)
+            observation, _ = env.reset(seed=seed, options={GROUP_MEMBER_OPTION: member})
         except Exception as exc:  # an env bug must not kill the run
             traj.error, traj.done = f"reset raised {exc!r}\n{traceback.format_exc(limit=3)}", True
             return _Episode(env, traj, [], None, protocol)
@@ -294,6 +299,21 @@ class Rollout:
     def _append(traj: Trajectory, ids: list[int], model_wrote: bool) -> None:
         traj.input_ids.extend(ids)
         traj.loss_mask.extend([int(model_wrote)] * len(ids))
+
+
+def group_members(group_ids: Sequence[int]) -> list[int]:
+    """Each env's place within its group, in call order: ``[7, 7, 9, 7] -> [0, 1, 0, 2]``.
+
+    Envs of a group share a seed and so the start state; an env may use its place to give each
+    member its own draw of what happens after the start (Bandit's ``own_payoff_draw``), never a
+    different start.
+    """
+    seen: dict[int, int] = {}
+    members = []
+    for gid in group_ids:
+        members.append(seen.get(gid, 0))
+        seen[gid] = members[-1] + 1
+    return members
 
 
 def window_messages(messages: list[dict], window: int, header: str) -> list[dict]:

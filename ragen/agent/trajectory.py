@@ -50,6 +50,8 @@ class Trajectory:
     seed: int
     #: The env tag the episode was played under (``env_name`` when the run uses no tags).
     tag: str = ""
+    #: The env's place in its group, passed to ``reset`` as ``options["group_member"]`` (``ragen.envs.base``).
+    group_member: int = 0
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
@@ -89,6 +91,7 @@ class Trajectory:
             "tag": self.tag or self.env_name,
             "group_id": self.group_id,
             "seed": self.seed,
+            "group_member": self.group_member,
             "reward": self.reward,
             "task_reward": self.task_reward,
             "success": self.success,

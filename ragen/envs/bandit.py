@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, build_config
+from ragen.envs.base import ENV_METRIC_PREFIX, GROUP_MEMBER_OPTION, TextEnv, build_config
 from ragen.envs.registry import register
 
 # Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
@@ -73,7 +73,9 @@ class BanditEnv(TextEnv):
 
     ## Rewards
     The arm's payoff. The payoff draw uses the same seeded generator, so the same seed
-    and action always give the same reward.
+    and action always give the same reward. With ``own_payoff_draw`` it uses a generator
+    seeded by the seed and ``reset(options={"group_member": j})`` instead: the envs of a
+    group (one seed, the same arms) then each get their own draw, still reproducibly.
 
     ## Episode End
     After one pull (terminated).
@@ -89,7 +91,9 @@ class BanditEnv(TextEnv):
     side, for SFT data), ``low_payoff``, ``high_payoff``, ``high_prob``, ``arm_order`` ("drawn" |
     "seed_parity"; the built-in ``Bandit`` and ``BanditTest`` validation tags use "seed_parity", so that
     on consecutive seeds half the episodes list the high arm first and a policy that answers by position
-    scores exactly 0.5 on an even count: docs/main_job.md, "Names or position?").
+    scores exactly 0.5 on an even count: docs/main_job.md, "Names or position?"), ``own_payoff_draw``
+    (False; True gives each member of a group its own payoff draw, so a group's advantages compare the
+    arms over several draws instead of one: the main job's preset uses it, docs/main_job.md).
     """
 
     description = "Two named arms, one pull: infer from the names which arm pays more on average."
@@ -107,6 +111,7 @@ class BanditEnv(TextEnv):
         high_payoff: float = 1.0
         high_prob: float = 0.25
         arm_order: str = "drawn"
+        own_payoff_draw: bool = False
 
         def validate(self) -> None:
             if self.name_set not in NAMES:
@@ -121,6 +126,7 @@ class BanditEnv(TextEnv):
         self.render_mode = render_mode
         self.action_lookup = {1: "", 2: ""}
         self.high_action = 0
+        self._payoff_rng = None
         self._done = True
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -134,6 +140,13 @@ class BanditEnv(TextEnv):
                 raise ValueError("bandit: arm_order='seed_parity' needs reset(seed=...)")
             self.high_action = 2 if seed % 2 else 1
         self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
+        member = (options or {}).get(GROUP_MEMBER_OPTION, 0)
+        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+            raise ValueError(f"bandit: options[{GROUP_MEMBER_OPTION!r}] must be an int >= 0, got {member!r}")
+        # The payoff's generator: the env's own (shared by a group, whose envs share the seed), or one seeded by the
+        # seed and the env's place in its group (each env of a group its own draw; still reproducible).
+        own = self.config.own_payoff_draw and seed is not None
+        self._payoff_rng = np.random.default_rng([seed, member]) if own else self.np_random
         self._done = False
         return self.render(), {"high_arm": high}
 
@@ -147,7 +160,7 @@ class BanditEnv(TextEnv):
         if self._done:
             raise ValueError("bandit: episode is over; call reset()")
         action = self.check_action(action)
-        won = bool(self.np_random.random() < self.config.high_prob)
+        won = bool(self._payoff_rng.random() < self.config.high_prob)
         if action == self.high_action:
             reward = self.config.high_payoff if won else 0.0
         else:

@@ -27,6 +27,11 @@ import gymnasium as gym
 #: validation log their mean per tag as ``info_<name>`` (:func:`ragen.eval.metrics.episode_metrics`).
 ENV_METRIC_PREFIX = "metric/"
 
+#: The rollout resets every env with ``options={GROUP_MEMBER_OPTION: j}``, ``j`` = 0, 1, ... its place in its group
+#: (the envs of a group share a seed, so the start state). An env may use it to give each member its own draw of
+#: the randomness after the start (Bandit's ``own_payoff_draw``); envs that do not ignore it.
+GROUP_MEMBER_OPTION = "group_member"
+
 
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
     """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragen.envs.base import GROUP_MEMBER_OPTION
+
 
 class ReplayError(Exception):
     """Why a trajectory's frames cannot be shown; the message is displayed (escaped) on the page."""
@@ -148,9 +150,12 @@ def _replay(traj: dict, turns: list, run_config: dict | None, frames: Frames) ->
     seed = traj.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ReplayError(f"seed {seed!r} is not a non-negative int")
+    member = traj.get("group_member", 0)  # absent in runs logged before it was recorded (all such envs ignore it)
+    if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+        raise ReplayError(f"group_member {member!r} is not a non-negative int")
     env = ragen.envs.make(spec.env, render_mode="rgb_array", **spec.config)
     base = env.unwrapped
-    observation, _ = env.reset(seed=seed)
+    observation, _ = env.reset(seed=seed, options={GROUP_MEMBER_OPTION: member})
     if observation != traj.get("initial_observation"):
         raise ReplayError(
             f"replaying {spec.env} with seed {seed} and the run's config gave a different initial observation; "

@@ -180,3 +180,42 @@ def test_env_metrics_reach_the_turns_and_the_episode_metrics(tokenizer):
         [make("bandit") for _ in range(4)], [0, 1, 2, 3], [0, 1, 2, 3], "bandit")
     assert [t.turns[0].info.get("metric/second_listed") for t in trajs] == [1.0, 1.0, 0.0, None]
     assert episode_metrics(trajs, "val")["val/info_second_listed"] == pytest.approx(2 / 3)
+
+
+def test_group_members_number_each_group_in_call_order():
+    from ragen.agent.rollout import group_members
+
+    assert group_members([7, 7, 9, 7, 9, 3]) == [0, 1, 0, 2, 1, 0]
+    assert group_members([]) == []
+
+
+def test_rollout_resets_each_env_with_its_place_in_the_group(tokenizer):
+    """Every env is reset with ``options={"group_member": j}``; the trajectory records ``j``, so an env that varies
+    its draws within a group (Bandit's ``own_payoff_draw``) can be replayed."""
+    seen = []
+
+    class RecordingWalk(WalkEnv):
+        def reset(self, *, seed=None, options=None):
+            seen.append((seed, options))
+            return super().reset(seed=seed, options=options)
+
+    backend = ReplyBackend(tokenizer, lambda text, i: "<answer>Right</answer>")
+    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run(
+        [RecordingWalk() for _ in range(5)], [4, 4, 4, 9, 9], [0, 0, 0, 1, 1], "walk")
+    assert seen == [(4, {"group_member": 0}), (4, {"group_member": 1}), (4, {"group_member": 2}),
+                    (9, {"group_member": 0}), (9, {"group_member": 1})]
+    assert [t.group_member for t in trajs] == [0, 1, 2, 0, 1]
+    assert [t.to_json()["group_member"] for t in trajs] == [0, 1, 2, 0, 1]
+
+    # Bandit with own_payoff_draw: one group's envs see the same arms, and the high arm pays each its own draw.
+    envs = [make("bandit", own_payoff_draw=True) for _ in range(8)]
+    high = {}
+    for env in envs:
+        env.reset(seed=11)
+        high[env.unwrapped.action_lookup[env.unwrapped.high_action]] = None
+    [name] = high
+    backend = ReplyBackend(tokenizer, lambda text, i: f"<answer>{name}</answer>")
+    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1, enable_think=False), SamplingParams()).run(
+        envs, [11] * 8, [0] * 8, "bandit")
+    assert len({t.initial_observation for t in trajs}) == 1 and all(t.success for t in trajs)
+    assert {t.turns[0].env_reward for t in trajs} == {0.0, 1.0}  # seed 11's 8 members: not all the same draw

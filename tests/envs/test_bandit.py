@@ -143,3 +143,30 @@ def test_seed_parity_order_needs_a_seed_and_a_known_name():
     from ragen.envs.tags import resolve_tag
 
     assert all(resolve_tag(t).config["arm_order"] == "seed_parity" for t in ("Bandit", "BanditTest"))
+
+
+def test_own_payoff_draw_gives_each_group_member_its_own_reproducible_draw():
+    """``own_payoff_draw``: the envs of a group (same seed) see the same arms, but the high arm's payoff is drawn per
+    ``group_member``, reproducibly; the default keeps the group's shared draw, and member 0 is not special."""
+    shared, own = ragen.envs.make("bandit"), ragen.envs.make("bandit", own_payoff_draw=True)
+
+    def pulls(env, seed):
+        out = []
+        for member in range(6):
+            obs, _ = env.reset(seed=seed, options={"group_member": member})
+            out.append((obs, env.step(env.high_action)[1]))
+        return out
+
+    differ = 0
+    hits = []
+    for seed in range(60):
+        a, b = pulls(own, seed), pulls(shared, seed)
+        assert a == pulls(own, seed)  # reproducible
+        assert len({obs for obs, _ in a + b}) == 1  # the same start for every member, either way
+        assert len({r for _, r in b}) == 1  # shared: one draw for the whole group
+        differ += len({r for _, r in a}) > 1
+        hits += [r for _, r in a]
+    assert differ > 20  # P(6 equal draws) = 0.75^6 + 0.25^6 ~ 0.18
+    assert abs(sum(hits) / len(hits) - 0.25) < 0.07  # 360 pulls of a 0.25 arm, within ~3 standard errors
+    with pytest.raises(ValueError, match="options\\['group_member'\\] must be an int >= 0"):
+        own.reset(seed=0, options={"group_member": -1})

@@ -328,14 +328,17 @@ def test_replay_that_does_not_match_shows_a_note_not_a_frame(sokoban_run, tmp_pa
     assert tampered["turns"][k]["observation"] != record["turns"][k]["observation"]
     wrong_seed = dict(json.loads(json.dumps(record)), seed=record["seed"] + 1)
     no_config = json.loads(json.dumps(record))
+    bad_member = dict(json.loads(json.dumps(record)), group_member="1")
     path = run / "rollouts" / "step_000002.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in (tampered, wrong_seed, no_config)) + "\n")
+    path.write_text("\n".join(json.dumps(r) for r in (tampered, wrong_seed, no_config, bad_member)) + "\n")
     build_site(run, tmp_path / "site")
     page = (tmp_path / "site" / "step_000002" / "traj_0000.html").read_text()
     assert len(_pngs(page)) == k + 1  # initial + turns before the tampered one
     assert f"No rendered frame: turn {k + 1}: the replayed observation differs from the recorded one" in page
     page = (tmp_path / "site" / "step_000002" / "traj_0001.html").read_text()
     assert "<img" not in page and "gave a different initial observation" in page
+    page = (tmp_path / "site" / "step_000002" / "traj_0003.html").read_text()
+    assert "<img" not in page and "group_member &#x27;1&#x27; is not a non-negative int" in page
     # Without config.yaml the env's default config is tried, and still verified (SimpleSokoban = the defaults).
     (run / "config.yaml").unlink()
     build_site(run, tmp_path / "site2")
