@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from ragen.envs.base import ENV_METRIC_PREFIX, GROUP_MEMBER_OPTION, TextEnv, build_config
+from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, build_config, group_member
 from ragen.envs.registry import register
 
 # Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
@@ -140,9 +140,7 @@ class BanditEnv(TextEnv):
                 raise ValueError("bandit: arm_order='seed_parity' needs reset(seed=...)")
             self.high_action = 2 if seed % 2 else 1
         self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
-        member = (options or {}).get(GROUP_MEMBER_OPTION, 0)
-        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
-            raise ValueError(f"bandit: options[{GROUP_MEMBER_OPTION!r}] must be an int >= 0, got {member!r}")
+        member = group_member(options, "bandit")
         # The payoff's generator: the env's own (shared by a group, whose envs share the seed), or one seeded by the
         # seed and the env's place in its group (each env of a group its own draw; still reproducible).
         own = self.config.own_payoff_draw and seed is not None

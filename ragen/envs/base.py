@@ -33,6 +33,14 @@ ENV_METRIC_PREFIX = "metric/"
 GROUP_MEMBER_OPTION = "group_member"
 
 
+def group_member(options: dict | None, env_name: str) -> int:
+    """The env's place in its group from ``reset``'s ``options`` (0 when absent); a clear ``ValueError`` otherwise."""
+    member = (options or {}).get(GROUP_MEMBER_OPTION, 0)
+    if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+        raise ValueError(f"{env_name}: options[{GROUP_MEMBER_OPTION!r}] must be an int >= 0, got {member!r}")
+    return member
+
+
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
     """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
