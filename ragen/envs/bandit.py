@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from gymnasium import spaces
 
-from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, build_config, group_member
+from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, after_start_rng, build_config
 from ragen.envs.registry import register
 
 # Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
@@ -140,11 +139,7 @@ class BanditEnv(TextEnv):
                 raise ValueError("bandit: arm_order='seed_parity' needs reset(seed=...)")
             self.high_action = 2 if seed % 2 else 1
         self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
-        member = group_member(options, "bandit")
-        # The payoff's generator: the env's own (shared by a group, whose envs share the seed), or one seeded by the
-        # seed and the env's place in its group (each env of a group its own draw; still reproducible).
-        own = self.config.own_payoff_draw and seed is not None
-        self._payoff_rng = np.random.default_rng([seed, member]) if own else self.np_random
+        self._payoff_rng = after_start_rng(self, seed, options, self.config.own_payoff_draw, "bandit")
         self._done = False
         return self.render(), {"high_arm": high}
 

@@ -22,6 +22,7 @@ from typing import Any
 import dataclasses
 
 import gymnasium as gym
+import numpy as np
 
 #: ``step`` info keys with this prefix are an env's own per-turn numbers (``info["metric/<name>"]``): training and
 #: validation log their mean per tag as ``info_<name>`` (:func:`ragen.eval.metrics.episode_metrics`).
@@ -39,6 +40,19 @@ def group_member(options: dict | None, env_name: str) -> int:
     if isinstance(member, bool) or not isinstance(member, int) or member < 0:
         raise ValueError(f"{env_name}: options[{GROUP_MEMBER_OPTION!r}] must be an int >= 0, got {member!r}")
     return member
+
+
+def after_start_rng(env: gym.Env, seed: int | None, options: dict | None, own: bool, env_name: str) -> np.random.Generator:
+    """The generator for what happens after the start (payoffs, slips, spawned tiles), chosen at ``reset``.
+
+    ``env.np_random`` by default: the envs of a group share the seed, so they share these draws too (the same
+    actions meet the same luck). With ``own`` and a seed, ``numpy.random.default_rng([seed, member])``, ``member``
+    the env's place in its group (:func:`group_member`): each env of a group its own draws, still a function of
+    ``(seed, member)`` and so reproducible. Without a seed ``env.np_random`` is unseeded already. The option is
+    validated either way, so a bad ``group_member`` is an error whether or not ``own`` is set.
+    """
+    member = group_member(options, env_name)
+    return np.random.default_rng([seed, member]) if own and seed is not None else env.np_random
 
 
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):

@@ -10,7 +10,7 @@ from gymnasium import spaces
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
-from ragen.envs.base import TextEnv, build_config
+from ragen.envs.base import TextEnv, after_start_rng, build_config
 from ragen.envs.registry import register
 from ragen.envs.render import TILE_SIZE, Glyph, Tile, TiledRender
 
@@ -69,7 +69,9 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     The player on ``S``. The map comes from a generator spawned from ``np_random``
     (``np_random.spawn``), so it does not consume ``np_random``'s stream: the slip draws
     are exactly those of ``gymnasium.make("FrozenLake-v1", desc=MAP)`` reset with the
-    same seed.
+    same seed. With ``own_slip_draw`` the slips come from a generator seeded by the seed and
+    ``reset(options={"group_member": j})`` instead: the envs of a group (one seed, so one map)
+    each meet their own slips, still reproducibly (:func:`ragen.envs.base.after_start_rng`).
 
     ## Rewards
     1 on reaching the goal, else 0.
@@ -85,7 +87,8 @@ class FrozenLakeEnv(TiledRender, TextEnv):
 
     ## Arguments
     ``size`` (>= 2), ``p`` (frozen probability of a generated cell, in (0, 1]),
-    ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``.
+    ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``, ``own_slip_draw`` (False: a group's
+    envs share the slips, as they share the seed).
 
     See :func:`solve` (the infinite-horizon optimal policy, by value iteration), :func:`solve_finite` and
     :class:`LakeSolver` (optimal within a move budget, by backward induction) and :func:`success_probability`.
@@ -104,6 +107,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
         is_slippery: bool = True
         success_rate: float = 1.0 / 3.0
         max_steps: int = 100
+        own_slip_draw: bool = False
 
         def validate(self) -> None:
             if self.size < 2:
@@ -154,7 +158,9 @@ class FrozenLakeEnv(TiledRender, TextEnv):
             if space.max_length > self.observation_space.max_length:
                 self.observation_space = space
         self.lake = GymFrozenLake(desc=desc, is_slippery=c.is_slippery, success_rate=c.success_rate)
-        self.lake.np_random = self.np_random  # share the seeded generator: same draws as gymnasium's env
+        # gymnasium's step draws the slips from lake.np_random: the seeded generator (the same draws as gymnasium's
+        # env), or with own_slip_draw one per (seed, group member)
+        self.lake.np_random = after_start_rng(self, seed, options, c.own_slip_draw, "frozen_lake")
         self.lake.reset()
         self.num_steps = 0
         self._done = False

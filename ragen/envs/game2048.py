@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from ragen.envs.base import TextEnv, build_config
+from ragen.envs.base import TextEnv, after_start_rng, build_config
 from ragen.envs.registry import register
 from ragen.envs.render import check_render_mode
 
@@ -45,7 +45,11 @@ class Game2048Env(TextEnv):
     ``.`` for an empty cell, cells separated by a space.
 
     ## Starting State
-    An empty board with two spawned tiles (same seed, same board).
+    An empty board with two spawned tiles (same seed, same board). The tiles spawned after
+    moves come from the same seeded generator, or with ``own_spawn_draw`` from one seeded by the
+    seed and ``reset(options={"group_member": j})``: the envs of a group (one seed, so one
+    start board) each meet their own spawns, still reproducibly
+    (:func:`ragen.envs.base.after_start_rng`).
 
     ## Rewards
     The sum of the tiles created by merges in the move (the standard 2048 score increment):
@@ -63,7 +67,7 @@ class Game2048Env(TextEnv):
 
     ## Arguments
     ``size`` (>= 2), ``target`` (a power of two >= 4), ``max_steps``, ``spawn_four_prob``
-    (in [0, 1]).
+    (in [0, 1]), ``own_spawn_draw`` (False: a group's envs share the spawns, as they share the seed).
 
     See :func:`move` (one move on a board, pure) and :func:`best_move` (the expert's
     heuristic: a two-move lookahead with the corner strategy).
@@ -80,6 +84,7 @@ class Game2048Env(TextEnv):
         target: int = 2048
         max_steps: int = 2000
         spawn_four_prob: float = 0.1
+        own_spawn_draw: bool = False
 
         def validate(self) -> None:
             if self.size < 2:
@@ -114,6 +119,7 @@ class Game2048Env(TextEnv):
         )
         self.board: np.ndarray | None = None
         self.score = 0
+        self._spawn_rng: np.random.Generator | None = None
         self.num_steps = 0
         self._done = True
 
@@ -128,6 +134,7 @@ class Game2048Env(TextEnv):
             self._spawn()
         else:
             self.board = _parse_board(given, c.size, c.target)
+        self._spawn_rng = after_start_rng(self, seed, options, c.own_spawn_draw, "game2048")
         self.score = 0
         self.num_steps = 0
         self._done = False
@@ -141,7 +148,7 @@ class Game2048Env(TextEnv):
         spawned = None
         if effective:
             self.board = board
-            spawned = self._spawn()
+            spawned = self._spawn(self._spawn_rng)
         self.num_steps += 1
         self.score += reward
         max_tile = int(self.board.max())
@@ -168,11 +175,13 @@ class Game2048Env(TextEnv):
             return ""
         return render_board(self.board)
 
-    def _spawn(self) -> tuple[int, int, int]:
-        """Put a 2 or 4 on a uniformly chosen empty cell (drawn from ``np_random``); return ``(row, col, value)``."""
+    def _spawn(self, rng: np.random.Generator | None = None) -> tuple[int, int, int]:
+        """Put a 2 or 4 on a uniformly chosen empty cell (drawn from ``rng``, by default ``np_random``); return
+        ``(row, col, value)``."""
+        rng = self.np_random if rng is None else rng
         empty = np.flatnonzero(self.board == 0)
-        cell = int(empty[self.np_random.integers(len(empty))])
-        value = 4 if self.np_random.random() < self.config.spawn_four_prob else 2
+        cell = int(empty[rng.integers(len(empty))])
+        value = 4 if rng.random() < self.config.spawn_four_prob else 2
         r, col = divmod(cell, self.config.size)
         self.board[r, col] = value
         return r, col, value

@@ -312,3 +312,31 @@ def test_expert_reaches_a_small_target_and_answers_one_move():
     env.reset(seed=0)
     answers = ExpertAgent().act(env)
     assert len(answers) == 1 and env.parse_action(answers[0]) is not None
+
+
+def test_own_spawn_draw_gives_each_group_member_its_own_reproducible_spawns():
+    """``own_spawn_draw``: the envs of a group (same seed) start on the same board, then each member meets its own
+    spawned tiles, reproducibly; the default shares the group's spawns."""
+
+    def spawns(env, seed, members=4):
+        out = []
+        for member in range(members):
+            obs, _ = env.reset(seed=seed, options={"group_member": member})
+            steps = [obs]
+            for action in [UP, LEFT, DOWN, RIGHT] * 3:
+                _, _, terminated, truncated, info = env.step(action)
+                steps.append(info["spawned"])
+                if terminated or truncated:
+                    break
+            out.append(steps)
+        return out
+
+    shared, own = Game2048Env(), Game2048Env(own_spawn_draw=True)
+    for seed in range(10):
+        a, b = spawns(own, seed), spawns(shared, seed)
+        assert a == spawns(own, seed)  # reproducible
+        assert len({e[0] for e in a + b}) == 1  # one start board for every member, either way
+        assert all(e == b[0] for e in b)  # shared: the same moves meet the same spawns
+        assert any(e != a[0] for e in a)  # own: four members meeting the same 12 spawns by chance is ~impossible
+    with pytest.raises(ValueError, match="options\\['group_member'\\] must be an int >= 0"):
+        own.reset(seed=0, options={"group_member": True})

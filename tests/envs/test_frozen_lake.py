@@ -333,3 +333,35 @@ def test_finite_horizon_optimum_properties(size, p, seed, success_rate, slippery
     assert turn_success_probability(env, turns, 1) == pytest.approx(success_probability(env, turns), abs=1e-15)
     if solver.model.deterministic:  # open loop loses nothing on deterministic ice
         assert u == pytest.approx(success_probability(env, moves), abs=1e-12)
+
+
+def test_own_slip_draw_gives_each_group_member_its_own_reproducible_slips():
+    """``own_slip_draw``: the envs of a group (same seed) start on the same map, but on slippery ice each member meets
+    its own slips, reproducibly; the default shares the group's slips; without slips the option changes nothing."""
+
+    def episodes(env, seed, members=4):
+        out = []
+        for member in range(members):
+            obs, _ = env.reset(seed=seed, options={"group_member": member})
+            steps = [obs]
+            for action in [DOWN, RIGHT] * 6:
+                obs, reward, terminated, truncated, _ = env.step(action)
+                steps.append((obs, reward))
+                if terminated or truncated:
+                    break
+            out.append(steps)
+        return out
+
+    shared, own = FrozenLakeEnv(size=5), FrozenLakeEnv(size=5, own_slip_draw=True)
+    differ = 0
+    for seed in range(20):
+        a, b = episodes(own, seed), episodes(shared, seed)
+        assert a == episodes(own, seed)  # reproducible
+        assert len({e[0] for e in a + b}) == 1  # one start map for every member, either way
+        assert all(e == b[0] for e in b)  # shared: the same actions meet the same slips
+        differ += any(e != a[0] for e in a)
+    assert differ >= 15  # P(4 members slip alike on every step) is small: most groups differ
+    ice = FrozenLakeEnv(size=5, is_slippery=False, own_slip_draw=True)
+    assert episodes(ice, 3) == episodes(FrozenLakeEnv(size=5, is_slippery=False), 3)
+    with pytest.raises(ValueError, match="options\\['group_member'\\] must be an int >= 0"):
+        own.reset(seed=0, options={"group_member": "1"})
