@@ -30,7 +30,8 @@ ENV_METRIC_PREFIX = "metric/"
 
 #: The rollout resets every env with ``options={GROUP_MEMBER_OPTION: j}``, ``j`` = 0, 1, ... its place in its group
 #: (the envs of a group share a seed, so the start state). An env may use it to give each member its own draw of
-#: the randomness after the start (Bandit's ``own_payoff_draw``); envs that do not ignore it.
+#: the randomness after the start (:func:`after_start_rng`: Bandit's ``own_payoff_draw``, FrozenLake's
+#: ``own_slip_draw``, 2048's ``own_spawn_draw``); envs without randomness after the start ignore it.
 GROUP_MEMBER_OPTION = "group_member"
 
 
@@ -42,17 +43,27 @@ def group_member(options: dict | None, env_name: str) -> int:
     return member
 
 
+#: The spawn key's first word for an env's own after-start generator (ASCII "RAGN"). ``default_rng([seed, member])``
+#: would not do: numpy pads a seed's entropy with zeros, so member 0's stream would be ``np_random``'s own, the very
+#: draws that built the start state (Bandit's arm names); ``np_random.spawn`` children use one-word keys ``(i,)``.
+AFTER_START_KEY = 0x5241474E
+
+
 def after_start_rng(env: gym.Env, seed: int | None, options: dict | None, own: bool, env_name: str) -> np.random.Generator:
     """The generator for what happens after the start (payoffs, slips, spawned tiles), chosen at ``reset``.
 
     ``env.np_random`` by default: the envs of a group share the seed, so they share these draws too (the same
-    actions meet the same luck). With ``own`` and a seed, ``numpy.random.default_rng([seed, member])``, ``member``
-    the env's place in its group (:func:`group_member`): each env of a group its own draws, still a function of
-    ``(seed, member)`` and so reproducible. Without a seed ``env.np_random`` is unseeded already. The option is
-    validated either way, so a bad ``group_member`` is an error whether or not ``own`` is set.
+    actions meet the same luck). With ``own`` and a seed, a generator seeded by
+    ``SeedSequence(seed, spawn_key=(AFTER_START_KEY, member))``, ``member`` the env's place in its group
+    (:func:`group_member`): each env of a group its own draws, independent of the start state's and of each
+    other's, and still a function of ``(seed, member)``, so reproducible. Without a seed ``env.np_random`` is
+    unseeded already. The option is validated either way, so a bad ``group_member`` is an error whether or not
+    ``own`` is set.
     """
     member = group_member(options, env_name)
-    return np.random.default_rng([seed, member]) if own and seed is not None else env.np_random
+    if not own or seed is None:
+        return env.np_random
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(AFTER_START_KEY, member)))
 
 
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
