@@ -17,8 +17,10 @@ sampling policy: ``g = (1/N) sum_i A_i sum_t grad log pi(a_t | s_t)``, ``A_i`` f
 ``ragen.algos.advantages.group_normalized_scores`` (mean-centred, or also divided by the group's std). Reported per
 setting, over ``--batches`` independent batches:
 
-* ``cos``: mean cosine between one batch's ``g`` and the exact gradient (1 = every step points the right way);
-* ``sign+``: for the bandit, the fraction of batches whose step raises ``p(high)``;
+* ``cos``: mean cosine between one batch's ``g`` and the exact gradient, a batch without a gradient counting 0 (1 =
+  every batch parallel to the exact gradient); ``cos|g``: the same over the batches that have a gradient;
+* ``sign+``: the fraction of batches whose step has a positive projection on the exact gradient (printed for the
+  bandit, where that means the step raises ``p(high)``);
 * ``zero``: the fraction of batches with no gradient at all (every group's rewards tied);
 * ``proj``: the mean projection of ``g`` onto the exact gradient's direction over its norm (unbiasedness check: the
   draws change the noise, not the mean, so with mean-centring both modes should agree up to sampling error).
@@ -132,7 +134,7 @@ def measure(batch_fn, exact: np.ndarray, n_batches: int, groups: int, group_size
             seed_base: int, policy_seed: int) -> dict:
     rng = np.random.default_rng(policy_seed)
     unit = exact.ravel() / np.linalg.norm(exact)
-    cos, proj, zero, up = [], [], 0, 0
+    cos, moved, proj, zero, up = [], [], [], 0, 0  # cos: 0 for a batch without a gradient; moved: only the others
     for b in range(n_batches):
         seeds = [seed_base + b * groups + g for g in range(groups)]
         rewards, scores = batch_fn(rng, seeds)
@@ -140,11 +142,14 @@ def measure(batch_fn, exact: np.ndarray, n_batches: int, groups: int, group_size
         g = sum(a * np.ravel(s) for a, s in zip(adv, scores)) / len(adv)
         norm = np.linalg.norm(g)
         zero += norm == 0
-        up += float(g.sum()) > 0
+        up += float(g @ unit) > 0
         cos.append(float(g @ unit / norm) if norm > 0 else 0.0)
+        if norm > 0:
+            moved.append(cos[-1])
         proj.append(float(g @ unit) / np.linalg.norm(exact))
     se = lambda x: np.std(x) / math.sqrt(len(x))  # noqa: E731
-    return {"cos": np.mean(cos), "cos_se": se(cos), "proj": np.mean(proj), "proj_se": se(proj),
+    return {"cos": np.mean(cos), "cos_se": se(cos), "cos_moved": np.mean(moved) if moved else 0.0,
+            "cos_moved_se": se(moved) if moved else 0.0, "proj": np.mean(proj), "proj_se": se(proj),
             "zero": zero / n_batches, "up": up / n_batches}
 
 
@@ -190,7 +195,8 @@ def main() -> None:
                 r = measure(lambda rng, seeds: lake_batch(env, rng, theta, seeds, size, lake_map), exact,
                             args.batches, groups, size, norm, seed_base=10_000 * args.seed, policy_seed=args.seed)
                 print(f"frozen_lake {'own   ' if own else 'shared'} expert+{strength:.0f} (J={value:.3f}) "
-                      f"std={'on ' if norm else 'off'} cos {r['cos']:.3f}±{r['cos_se']:.3f}  zero {r['zero']:.3f}  "
+                      f"std={'on ' if norm else 'off'} cos {r['cos']:.3f}±{r['cos_se']:.3f}  "
+                      f"cos|g {r['cos_moved']:.3f}±{r['cos_moved_se']:.3f}  zero {r['zero']:.3f}  "
                       f"proj {r['proj']:.3f}±{r['proj_se']:.3f}  ({time.perf_counter() - start:.1f} s)", flush=True)
 
 

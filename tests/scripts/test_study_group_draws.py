@@ -68,3 +68,42 @@ def test_bandit_gradient_and_sampled_scores(study):
     assert high.sum() + np.isclose(scores, -p).sum() == 800
     assert abs(high.mean() - p) < 0.06
     assert set(rewards[~high]) == {0.1} and set(rewards[high]) <= {0.0, 1.0}
+
+
+def test_lake_value_of_a_stochastic_policy_by_forward_propagation(study, lake):
+    """J by backward induction equals J by pushing the state distribution forward under the same stochastic policy."""
+    theta = np.random.default_rng(1).normal(size=(16, 4))
+    tables = study.lake_tables(lake)
+    value, _ = study.lake_exact(theta, tables, lake.state, 20)
+    T, R, D = (t.numpy() for t in tables)
+    pi = np.exp(theta) / np.exp(theta).sum(-1, keepdims=True)
+    step = np.einsum("sa,sat->st", pi, T * (1 - D))  # (S, S'): moves that go on
+    reach = np.einsum("sa,sat->s", pi, T * R)  # (S,): probability this move reaches the goal
+    dist, total = np.eye(16)[lake.state], 0.0
+    for _ in range(20):
+        total += dist @ reach
+        dist = dist @ step
+    assert value == pytest.approx(total, abs=1e-12)
+    assert 0.0 < value < 0.2
+
+
+def test_measure_reports_alignment_sign_and_empty_batches(study):
+    """A stub batch of two groups of two. Batch 0's groups tie (no gradient); then the one rewarded trajectory's score
+    points along the exact gradient, against it, along it, and across it."""
+    exact = np.array([2.0, 0.0])
+    directions = iter([None, [1.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
+
+    def batch(rng, seeds):
+        direction = next(directions)
+        if direction is None:
+            return np.array([1.0, 1.0, 0.0, 0.0]), [np.ones(2)] * 4  # every group tied: zero advantages
+        return np.array([1.0, 0.0, 0.0, 0.0]), [np.array(direction), np.zeros(2), np.zeros(2), np.zeros(2)]
+
+    r = study.measure(batch, exact, n_batches=5, groups=2, group_size=2, norm_by_std=False, seed_base=0, policy_seed=0)
+    assert r["zero"] == pytest.approx(0.2)
+    assert r["up"] == pytest.approx(0.4)  # batches 1 and 3 (across has no projection)
+    assert r["cos"] == pytest.approx((0 + 1 - 1 + 1 + 0) / 5)
+    assert r["cos_moved"] == pytest.approx((1 - 1 + 1 + 0) / 4)
+    # mean-centred advantage 0.5 on the rewarded trajectory, over 4 trajectories: g = 0.125 * direction; proj is
+    # g . (exact / |exact|) / |exact|
+    assert r["proj"] == pytest.approx((0 + 0.125 - 0.125 + 0.125 + 0) / 2 / 5)
