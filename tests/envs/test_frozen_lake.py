@@ -92,17 +92,21 @@ def test_transitions_equal_gymnasium(slippery):
                 break
 
 
+def _walk(env, observation, actions):
+    """``[observation, (obs, reward) of each step]``, stepping ``actions`` until the episode ends."""
+    out = [observation]
+    for action in actions:
+        obs, reward, terminated, truncated, _ = env.step(action)
+        out.append((obs, reward))
+        if terminated or truncated:
+            break
+    return out
+
+
 def test_same_seed_same_episode():
     def episode(seed):
         env = FrozenLakeEnv(size=6)
-        obs, _ = env.reset(seed=seed)
-        out = [obs]
-        for action in [DOWN, RIGHT] * 10:
-            obs, reward, terminated, truncated, _ = env.step(action)
-            out.append((obs, reward))
-            if terminated or truncated:
-                break
-        return out
+        return _walk(env, env.reset(seed=seed)[0], [DOWN, RIGHT] * 10)
 
     assert episode(7) == episode(7)
     maps = {tuple(FrozenLakeEnv(size=6).reset(seed=s)[0].splitlines()) for s in range(10)}
@@ -341,15 +345,8 @@ def test_own_slip_draw_gives_each_group_member_its_own_reproducible_slips():
 
     def episodes(env, seed, members=4):
         out = []
-        for member in range(members):
-            obs, _ = env.reset(seed=seed, options={"group_member": member})
-            steps = [obs]
-            for action in [DOWN, RIGHT] * 6:
-                obs, reward, terminated, truncated, _ = env.step(action)
-                steps.append((obs, reward))
-                if terminated or truncated:
-                    break
-            out.append(steps)
+        for j in range(members):
+            out.append(_walk(env, env.reset(seed=seed, options={"group_member": j})[0], [DOWN, RIGHT] * 6))
         return out
 
     shared, own = FrozenLakeEnv(size=5), FrozenLakeEnv(size=5, own_slip_draw=True)
