@@ -23,6 +23,16 @@ def _fail(message: str) -> int:
     return USAGE_ERROR
 
 
+def note_unused_env_keys(config) -> None:
+    """One stderr line when the config sets ``env`` / ``rollout.env_groups`` that ``es.train`` makes unused."""
+    from ragen.config import unused_single_env_keys
+
+    unused = unused_single_env_keys(config)
+    if unused:
+        print(f"ragen: note: {', '.join(unused)} not used: es.train is set, so its tags are the training envs "
+              "(put env settings on a tag: es.tags.NAME.config; docs/env_tags.md)", file=sys.stderr)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ragen.config import ConfigError, load_config, result_changing_differences
 
@@ -48,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 return _fail(f"--resume with a config that changes results ({', '.join(changed)}); pass --force to accept")
     except ConfigError as exc:
         return _fail(str(exc))
+    note_unused_env_keys(config)
     _quiet_transformers()
     from ragen.models import ModelLoadError
     from ragen.train.trainer import StarPOTrainer
@@ -134,6 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         config = load_config(preset, args.overrides)
     except ConfigError as exc:
         return _fail(str(exc))
+    note_unused_env_keys(config)
     config.model = args.model  # set directly: a path or openai:NAME is not re-parsed as YAML
     if args.k < 0 or (args.n is not None and args.n < max(1, args.k)):
         return _fail(f"--k must be >= 0 and --n >= --k (got --k {args.k}, --n {args.n})")

@@ -334,8 +334,53 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
     validate(config)
+    _reject_overrides_es_train_ignores(config, overrides)
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
     return config
+
+
+def _is_single_env_key(key: str) -> bool:
+    """Keys only the single-env case reads: ``env`` and everything in it, and ``rollout.env_groups``."""
+    return key == "env" or key.startswith("env.") or key == "rollout.env_groups"
+
+
+def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] | tuple[str, ...]) -> None:
+    """A ``key=value`` override the run would not use is an error, not a silent no-op.
+
+    With ``es.train`` set the training envs are its tags, so ``env.*`` and ``rollout.env_groups``
+    are never read; typed on the command line they are a mistake the user must hear about. The
+    same settings coming from a YAML file are only noted (:func:`unused_single_env_keys`): a
+    preset's ``env`` section under a command-line ``es.train``, or a run's saved ``config.yaml``,
+    is not something the user just typed, and resuming such a run must keep working.
+    """
+    if not config.es.train:
+        return
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if not _is_single_env_key(key):
+            continue
+        if key == "rollout.env_groups":
+            fix = "give each es.train entry its groups (es.train=[{tag: NAME, groups: N}])"
+        elif key.startswith("env.config."):
+            fix = f"set it on the tag instead (es.tags.NAME.config.{key[len('env.config.'):]}=VALUE)"
+        else:
+            fix = "define a tag instead (es.tags.NAME={env: ENV, config: {...}}; docs/env_tags.md)"
+        raise ConfigError(f"config key {key!r}: not used when es.train is set (its tags are the training envs); {fix}")
+
+
+def unused_single_env_keys(config: RunConfig) -> list[str]:
+    """Keys set away from their defaults that this run never reads because ``es.train`` is set."""
+    if not config.es.train:
+        return []
+    default_env, default_rollout = EnvConfig(), RolloutConfig()
+    unused = []
+    if config.env.name != default_env.name:
+        unused.append("env.name")
+    if config.env.config != default_env.config:
+        unused.append("env.config")
+    if config.rollout.env_groups != default_rollout.env_groups:
+        unused.append("rollout.env_groups")
+    return unused
 
 
 CONTEXT_MODES = ("full", "window")

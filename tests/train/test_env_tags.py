@@ -87,6 +87,50 @@ def test_single_env_config_is_the_one_tag_case():
     assert train.settings.max_turn == config.agent.max_turn and train.tag.config == config.env.config
 
 
+MIXED = "es.train=[{tag: Bandit, groups: 2}]"
+
+
+@pytest.mark.parametrize(
+    "override, fix",
+    [
+        ("env.config.own_payoff_draw=false", "es.tags.NAME.config.own_payoff_draw=VALUE"),
+        ("env.name=sokoban", "es.tags.NAME={env: ENV"),
+        ("env={name: sokoban}", "es.tags.NAME={env: ENV"),
+        ("rollout.env_groups=3", "es.train=[{tag: NAME, groups: N}]"),
+    ],
+)
+def test_a_typed_key_es_train_never_reads_exits_2(override, fix, capsys, tmp_path):
+    load_config("bandit", [override])  # without es.train the same override is used, so accepted
+    for overrides in ([MIXED, override], [override, MIXED]):  # the order on the command line does not matter
+        with pytest.raises(ConfigError, match="not used when es.train is set"):
+            load_config("bandit", overrides)
+    assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path}", MIXED, override]) == 2
+    err = capsys.readouterr().err
+    key = override.split("=")[0]
+    assert f"config key {key!r}" in err and fix in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_unused_env_settings_from_a_file_are_noted_and_still_load(capsys, tmp_path):
+    from ragen.cli import note_unused_env_keys
+    from ragen.config import to_yaml, unused_single_env_keys
+
+    # The main job's preset sets env.config; a command-line es.train replaces its env, so it is noted.
+    config = load_config("bandit", [MIXED])
+    assert unused_single_env_keys(config) == ["env.config"]
+    note_unused_env_keys(config)
+    assert capsys.readouterr().err.startswith("ragen: note: env.config not used: es.train is set")
+    # Such a run's saved config.yaml loads again (resume, eval) with the same note, not an error.
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(config))
+    assert unused_single_env_keys(load_config(str(saved))) == ["env.config"]
+    # The defaults under es.train, and a preset's env without es.train, are not noted.
+    assert unused_single_env_keys(load_config(None, [MIXED])) == []
+    assert unused_single_env_keys(load_config("bandit")) == []
+    both = load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 2}]"])
+    assert unused_single_env_keys(both) == ["env.name", "env.config", "rollout.env_groups"]
+
+
 # -- advantages and filtering never mix tags ---------------------------------------------------
 
 
