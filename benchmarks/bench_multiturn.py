@@ -84,7 +84,7 @@ def run_arm(reuse_kv: bool, args, max_gb: float | None = None) -> dict:
         "refused": kept.refused if kept is not None else 0,
         "rollout_s": rollout_s, "generated": generated, "turns": sum(len(t.turns) for t in trajectories),
         "prefilled": stats.prefilled_tokens, "reused": stats.reused_tokens, "history_prefilled": history_prefilled,
-        "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+        "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "weights_s": stats.weights_s,
         "history_s": stats.prefill_s * history_prefilled / max(stats.prefilled_tokens, 1),
         "ids": [t.input_ids for t in trajectories],
     }
@@ -118,12 +118,12 @@ def main(argv=None) -> int:
 
     print()
     print("| arm | rollout s | turns played | generated tok/s | prompt tokens prefilled | reused from kept caches "
-          "| prefill s | decode s | history re-encoded: tokens | history re-encoding: s (share of rollout) "
+          "| prefill s | decode s | fused weights build s | history re-encoded: tokens | history re-encoding: s (share of rollout) "
           "| kept caches, most at once | caches refused by the budget |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for a in arms:
         print(f"| {a['arm']} | {a['rollout_s']:.1f} | {a['turns']} | {a['generated'] / a['rollout_s']:.1f} | "
-              f"{a['prefilled']:,} | {a['reused']:,} | {a['prefill_s']:.1f} | {a['decode_s']:.1f} | "
+              f"{a['prefilled']:,} | {a['reused']:,} | {a['prefill_s']:.1f} | {a['decode_s']:.1f} | {a['weights_s']:.2f} | "
               f"{a['history_prefilled']:,} | {a['history_s']:.1f} ({100 * a['history_s'] / a['rollout_s']:.1f} %) | "
               f"{a['kept_peak_mb']:,.0f} MB | {a['refused']} |")
     print()

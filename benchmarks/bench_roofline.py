@@ -236,7 +236,8 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
     for B in args.batches:
         distinct = max(1, B // size)
         batch = [prompts[i % len(prompts)] for i in range(distinct) for _ in range(size)][:B]
-        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps, backend.stats.prefilled_tokens)
+        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps, backend.stats.prefilled_tokens,
+                  backend.stats.weights_s)
         t0 = time.perf_counter()
         gens = backend.generate(batch, params)
         seconds = time.perf_counter() - t0
@@ -250,10 +251,12 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
                # generated + this = the token-passes the call really ran
                "prefill_tokens": backend.stats.prefilled_tokens - stats0[3] - B,
                "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
+               "weights_s": backend.stats.weights_s - stats0[4],  # the fused weights' casts and packs (once per call here)
                "fused_steps": backend.fused.fused_steps - stats0[2]}
         out.append(res)
         print(f"  batch {B}: {seconds:.2f} s, {res['generated']} tokens ({res['generated'] / seconds:.1f} tok/s), "
               f"every row {args.new_tokens} tokens: {res['exact']}; prefill {res['prefill_s']:.2f} s, "
+              f"fused weights build {res['weights_s']:.2f} s, "
               f"generate (decode steps) {res['decode_s']:.2f} s, fused decode steps {res['fused_steps']}", flush=True)
     return out
 
@@ -364,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngeneration with HFBackend, exactly {args.new_tokens} new tokens per row, groups of "
           f"{config.rollout.group_size} sharing a prompt ({gen_contention}):")
     print("| batch | distinct prompts | mean prompt len | s | generated tok/s | MFU, 2N x generated | MFU incl. prompt prefill "
-          "| prefill s | generate s (decode steps, sampling) | other s | fused decode steps | roofline bound tok/s | % of bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| prefill s | generate s (decode steps, sampling) | fused weights build s | other s | fused decode steps "
+          "| roofline bound tok/s | % of bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdict_gen = []
     for g in gens:
         tok_s = g["generated"] / g["seconds"]
@@ -375,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         step_bytes = 4 * (n_dec + n_head) + g["batch"] * ctx * kv_bytes
         step_s = max(step_bytes / (bandwidth * 1e9), 2 * n_params * g["batch"] / (peak_gen * 1e9))
         bound = g["batch"] / step_s
-        other = g["seconds"] - g["prefill_s"] - g["decode_s"]
+        other = g["seconds"] - g["prefill_s"] - g["decode_s"] - g["weights_s"]
         print(f"| {g['batch']} | {g['distinct']} | {g['prompt_len']:.0f} | {g['seconds']:.2f} | {tok_s:.1f} | {mfu:.1%} | {mfu_prefill:.1%} | "
-              f"{g['prefill_s']:.2f} | {g['decode_s']:.2f} | {other:.2f} | {g['fused_steps']} | {bound:.0f} | {tok_s / bound:.1%} |")
+              f"{g['prefill_s']:.2f} | {g['decode_s']:.2f} | {g['weights_s']:.2f} | {other:.2f} | {g['fused_steps']} | {bound:.0f} | {tok_s / bound:.1%} |")
         if g["batch"] >= 32:
             verdict_gen.append((g["batch"], mfu))
 

@@ -88,9 +88,13 @@ class PrefillStats:
     #: the first decode step feeds it, a whole prompt when no prefill ran (``generate`` prefills itself); 0 when
     #: the prefill ran the last tokens (:attr:`HFBackend.first_from_prefill`).
     decode_fed_tokens: int = 0
+    #: Time running prompt tokens through the model before decoding (the fused weights' build excluded).
     prefill_s: float = 0.0
-    #: Time decoding (``generate`` or :func:`~ragen.models.decode_loop.decode`), prefill excluded.
+    #: Time decoding (``generate`` or :func:`~ragen.models.decode_loop.decode`), prefill and the build excluded.
     decode_s: float = 0.0
+    #: Time building the fused weights (casts, packs; :attr:`~ragen.models.fused_decode.FusedDecoder.build_s`): once
+    #: per session, inside the first prefill or decode step that needs them, and counted here instead.
+    weights_s: float = 0.0
 
 
 @dataclass
@@ -284,7 +288,7 @@ class HFBackend:
                 looping = (self.decode_loop and sampler is not False and decoder_stack(self.model) is not None
                            and unsupported_setting(self.model.generation_config) is None)
                 last = looping and self.first_from_prefill and self._prefill_fused
-                start = time.perf_counter()
+                start, built = time.perf_counter(), self.fused.build_s
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
                     prefilled = self._resume_prefill(prompts, kept, room, last=last)
@@ -295,7 +299,7 @@ class HFBackend:
                 input_ids, attention_mask, cache = prefilled.input_ids, prefilled.attention_mask, prefilled.cache
                 if cache is not None:
                     kwargs[CACHE_KWARG] = cache
-                middle = time.perf_counter()
+                middle, built_in_prefill = time.perf_counter(), self.fused.build_s - built
                 if looping and cache is not None:
                     out = decode(self.model, input_ids, attention_mask, cache, max_new_tokens=params.max_new_tokens,
                                  eos_ids=sorted(self.eos_ids), pad_id=self.pad_id, sampler=sampler,
@@ -303,8 +307,10 @@ class HFBackend:
                                  first_logits=prefilled.first_logits)
                 else:
                     out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                self.stats.prefill_s += middle - start
-                self.stats.decode_s += time.perf_counter() - middle
+                built_in_decode = self.fused.build_s - built - built_in_prefill
+                self.stats.prefill_s += middle - start - built_in_prefill
+                self.stats.decode_s += time.perf_counter() - middle - built_in_decode
+                self.stats.weights_s += built_in_prefill + built_in_decode
         finally:
             self.model.train(was_training)
             self._prefill_fused = False

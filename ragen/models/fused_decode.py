@@ -41,6 +41,7 @@ prefill, a model under LoRA, a hooked model, training -- runs transformers' ``fo
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -551,6 +552,9 @@ class FusedDecoder:
         self.plain_calls = 0
         #: Prompt prefills run through these weights (:func:`ragen.models.fused_prefill.prefill`, by ``HFBackend``).
         self.prefill_calls = 0
+        #: Seconds spent building :class:`FusedWeights` (casts, oneDNN packs) and packing them for MKL at a row count:
+        #: once per session, within whichever prefill or decode step first needs them (``HFBackend`` reports it apart).
+        self.build_s = 0.0
 
     def prefix_for(self, batch: int, past: int) -> SharedPrefix | None:
         """The recorded shared prefix if it describes this call's rows (``batch`` rows, ``past`` cached columns)."""
@@ -562,7 +566,9 @@ class FusedDecoder:
     def weights_for(self, model, dtype: torch.dtype) -> FusedWeights:
         if self.weights is None or not self.weights.current(model, dtype):
             self.weights = None  # free the old copy before building the new one
+            start = time.perf_counter()
             self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging, mkl=self.mkl)
+            self.build_s += time.perf_counter() - start
         return self.weights
 
     def pack_rows_if_it_pays(self, weights: FusedWeights, rows: int, call_steps: int) -> None:
@@ -573,7 +579,9 @@ class FusedDecoder:
         and both copies are valid only while the parameters stay unchanged (the session's scope, :meth:`clear`)."""
         left = None if self.call_new_tokens is None else self.call_new_tokens - call_steps
         if left is None or left >= MKL_PACK_MIN_STEPS:
+            start = time.perf_counter()
             weights.pack_rows(rows)
+            self.build_s += time.perf_counter() - start
 
     def clear(self) -> None:
         """Drop the weights (the staging buffer stays: the next session's casts reuse its pages)."""

@@ -291,3 +291,34 @@ def test_backend_prefills_in_column_chunks_and_samples_the_same_tokens(tiny, mon
         prompt_passes = [w for w in widths if w > 1]  # (decode steps feed one column)
         assert prompt_passes and (max(prompt_passes) <= 2 if budget == 8 else max(prompt_passes) > 2)
     assert runs[8] == runs[10**6]
+
+
+@pytest.mark.parametrize("fused_prefill", [True, False])
+def test_the_fused_weights_build_is_timed_apart_from_prefill_and_decode(tiny, monkeypatch, fused_prefill):
+    """``PrefillStats.weights_s`` holds the fused weights' build wherever it runs (inside the fused prefill, or the
+    first fused decode step without it), once per session; ``prefill_s`` and ``decode_s`` leave it out. A build made
+    1 s slower must land in ``weights_s`` alone."""
+    import time
+
+    model, tokenizer = tiny
+    real_init, delay = FusedWeights.__init__, 1.0
+
+    def slow_init(self, *args, **kwargs):
+        time.sleep(delay)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedWeights, "__init__", slow_init)
+    prompts = [tokenizer(t)["input_ids"] for t in ["go left", "the quick brown fox jumps", "a", "go left"]]
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    backend = HFBackend(model, tokenizer, precision="fp32", fused_prefill=fused_prefill)
+    start = time.perf_counter()
+    with backend.session():
+        first = backend.generate(prompts, params)
+        second = backend.generate(prompts, params)  # the same session: the weights are not built again
+    wall = time.perf_counter() - start
+    stats = backend.stats
+    assert (backend.fused.prefill_calls > 0) == fused_prefill and backend.fused.fused_steps > 0
+    assert delay <= stats.weights_s < 2 * delay, stats  # one build, counted once
+    assert stats.prefill_s < delay and stats.decode_s < delay, stats
+    assert stats.prefill_s + stats.decode_s + stats.weights_s <= wall
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
