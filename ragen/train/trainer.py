@@ -527,7 +527,9 @@ class StarPOTrainer:
             write(format_tag_table(metrics, "val"))
 
     def plot(self) -> str:
-        """Draw the run's curves to ``curves.png`` (skipped with a note if matplotlib is missing)."""
+        """Draw the run's curves to ``curves.png`` (skipped with a note if matplotlib is missing or nothing was logged)."""
+        if not (self.run_dir / "metrics.jsonl").is_file():  # total_steps=0 without val_before_train: no logged step
+            return "not drawn: the run logged no metrics"
         try:
             from ragen.viz.plots import plot_runs
 

@@ -32,6 +32,15 @@ def test_ragen_train_bandit_tiny_writes_the_run_dir(tmp_path):
                  "trainer.val_episodes=2", "trainer.progress_bar=false"]) == 0
 
 
+def test_a_zero_step_run_without_validation_before_training_validates_once_and_ends_cleanly(tmp_path):
+    # It logs no step (no metrics.jsonl), so there are no curves to draw: a note, not a crash.
+    assert main(["train", "bandit", "model=tiny", "trainer.total_steps=0", "trainer.val_before_train=false",
+                 f"trainer.output_dir={tmp_path}", "trainer.val_episodes=2", "trainer.progress_bar=false"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "val_after" in summary and "val_before" not in summary
+    assert summary["plot"] == "not drawn: the run logged no metrics" and not (tmp_path / "curves.png").exists()
+
+
 def test_sokoban_multi_turn_tiny_run(tmp_path):
     assert main(["train", "sokoban", "model=tiny", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}",
                  "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "agent.max_turn=2",
