@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded) or tiny")
     p.add_argument("--env", default="sokoban")
-    p.add_argument("--groups", type=int, default=4, help="rollout.env_groups")
+    p.add_argument("--groups", type=int, default=None,
+                   help="rollout.env_groups (default 4; a preset with es.train takes its entries' groups instead)")
     p.add_argument("--group-size", type=int, default=4, help="rollout.group_size")
     p.add_argument("--max-turn", type=int, default=3, help="agent.max_turn")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -76,19 +77,25 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--address", default="", help="Ray cluster address (default: start a local cluster)")
     args = p.parse_args(argv)
+    from ragen.config import load_config
+
+    mix = load_config(args.env).es.train
+    if mix and args.groups is not None:
+        p.error(f"--env {args.env} trains on es.train tags: its groups come from their entries, not --groups")
+    groups = sum(entry.groups for entry in mix) if mix else (4 if args.groups is None else args.groups)
 
     import ray
     import torch
 
     from ragen.train.ray_rollout import init_ray
 
-    common = [f"model={args.model}", f"rollout.env_groups={args.groups}", f"rollout.group_size={args.group_size}",
+    common = [f"model={args.model}", *([] if mix else [f"rollout.env_groups={groups}"]), f"rollout.group_size={args.group_size}",
               f"agent.max_turn={args.max_turn}", f"rollout.max_new_tokens={args.max_new_tokens}",
               f"trainer.num_threads={args.threads}", "trainer.progress_bar=false"]
     print(f"machine: {machine()}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, ray {ray.__version__}")
-    print(f"settings: model={args.model} env={args.env} groups={args.groups}x{args.group_size} "
-          f"({args.groups * args.group_size} episodes/step) max_turn={args.max_turn} max_new_tokens={args.max_new_tokens} "
+    print(f"settings: model={args.model} env={args.env} groups={groups}x{args.group_size} "
+          f"({groups * args.group_size} episodes/step) max_turn={args.max_turn} max_new_tokens={args.max_new_tokens} "
           f"threads={args.threads} warmup={args.warmup} steps={args.steps} temperature=1.0 (sampled)")
 
     rows = []

@@ -23,14 +23,14 @@ def _fail(message: str) -> int:
     return USAGE_ERROR
 
 
-def note_unused_env_keys(config) -> None:
-    """One stderr line when the config sets ``env`` / ``rollout.env_groups`` that ``es.train`` makes unused."""
-    from ragen.config import unused_single_env_keys
+def note_lost_env_settings(config) -> None:
+    """One stderr line (rank 0 only) naming ``env.config`` settings from a YAML file that ``es.train`` leaves unused."""
+    from ragen.config import lost_env_settings
 
-    unused = unused_single_env_keys(config)
-    if unused:
-        print(f"ragen: note: {', '.join(unused)} not used: es.train is set, so its tags are the training envs "
-              "(put env settings on a tag: es.tags.NAME.config; docs/env_tags.md)", file=sys.stderr)
+    lost = lost_env_settings(config)
+    if lost and os.environ.get("RANK", "0") == "0":
+        print(f"ragen: note: {', '.join(lost)} not used: es.train is set, so its tags are the training envs "
+              "(set it on the tag: es.tags.TAG.config.KEY; docs/env_tags.md)", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 return _fail(f"--resume with a config that changes results ({', '.join(changed)}); pass --force to accept")
     except ConfigError as exc:
         return _fail(str(exc))
-    note_unused_env_keys(config)
+    note_lost_env_settings(config)
     _quiet_transformers()
     from ragen.models import ModelLoadError
     from ragen.train.trainer import StarPOTrainer
@@ -145,7 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         config = load_config(preset, args.overrides)
     except ConfigError as exc:
         return _fail(str(exc))
-    note_unused_env_keys(config)
+    note_lost_env_settings(config)
     config.model = args.model  # set directly: a path or openai:NAME is not re-parsed as YAML
     if args.k < 0 or (args.n is not None and args.n < max(1, args.k)):
         return _fail(f"--k must be >= 0 and --n >= --k (got --k {args.k}, --n {args.n})")

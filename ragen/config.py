@@ -333,15 +333,20 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
-    validate(config)
     _reject_overrides_es_train_ignores(config, overrides)
+    validate(config)
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
     return config
 
 
-def _is_single_env_key(key: str) -> bool:
-    """Keys only the single-env case reads: ``env`` and everything in it, and ``rollout.env_groups``."""
-    return key == "env" or key.startswith("env.") or key == "rollout.env_groups"
+def _single_env_key(item: str) -> str | None:
+    """The key a ``key=value`` override sets that only the single-env case reads (``env`` and everything
+    in it, ``rollout.env_groups``), also inside a dict value (``rollout={env_groups: 3}``); else None."""
+    key = item.split("=", 1)[0].strip()
+    if key == "env" or key.startswith("env."):
+        return key
+    tree = OmegaConf.from_dotlist([item])
+    return "rollout.env_groups" if OmegaConf.select(tree, "rollout.env_groups") is not None else None
 
 
 def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] | tuple[str, ...]) -> None:
@@ -349,38 +354,38 @@ def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] |
 
     With ``es.train`` set the training envs are its tags, so ``env.*`` and ``rollout.env_groups``
     are never read; typed on the command line they are a mistake the user must hear about. The
-    same settings coming from a YAML file are only noted (:func:`unused_single_env_keys`): a
-    preset's ``env`` section under a command-line ``es.train``, or a run's saved ``config.yaml``,
-    is not something the user just typed, and resuming such a run must keep working.
+    same settings coming from a YAML file are only noted (:func:`lost_env_settings`): a preset's
+    ``env`` section under a command-line ``es.train``, or a run's saved ``config.yaml``, is not
+    something the user just typed, and resuming such a run must keep working.
     """
     if not config.es.train:
         return
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if not _is_single_env_key(key):
+        key = _single_env_key(item)
+        if key is None:
             continue
         if key == "rollout.env_groups":
-            fix = "give each es.train entry its groups (es.train=[{tag: NAME, groups: N}])"
+            fix = "give each es.train entry its groups (es.train=[{tag: TAG, groups: N}])"
         elif key.startswith("env.config."):
-            fix = f"set it on the tag instead (es.tags.NAME.config.{key[len('env.config.'):]}=VALUE)"
+            fix = (f"set it on the tag instead: es.tags.TAG.config.{key[len('env.config.'):]}=VALUE, TAG as listed in "
+                   "es.train (a preset tag keeps its other settings)")
         else:
-            fix = "define a tag instead (es.tags.NAME={env: ENV, config: {...}}; docs/env_tags.md)"
+            fix = "train on a tag instead (es.tags.TAG={env: ENV, config: {...}}; docs/env_tags.md)"
         raise ConfigError(f"config key {key!r}: not used when es.train is set (its tags are the training envs); {fix}")
 
 
-def unused_single_env_keys(config: RunConfig) -> list[str]:
-    """Keys set away from their defaults that this run never reads because ``es.train`` is set."""
-    if not config.es.train:
+def lost_env_settings(config: RunConfig) -> list[str]:
+    """``env.config`` keys this run sets but never uses: ``es.train`` is set and no training tag of that env
+    has the key at that value. (A preset's ``env`` section that equals its tag's config loses nothing.)"""
+    if not config.es.train or not config.env.config:
         return []
-    default_env, default_rollout = EnvConfig(), RolloutConfig()
-    unused = []
-    if config.env.name != default_env.name:
-        unused.append("env.name")
-    if config.env.config != default_env.config:
-        unused.append("env.config")
-    if config.rollout.env_groups != default_rollout.env_groups:
-        unused.append("rollout.env_groups")
-    return unused
+    from ragen.envs.tags import resolve_tag
+
+    user = user_tag_dicts(config)
+    tags = [resolve_tag(entry.tag, user) for entry in config.es.train]
+    configs = [t.config for t in tags if t.env == config.env.name]
+    return [f"env.config.{key}" for key, value in config.env.config.items()
+            if not any(key in c and c[key] == value for c in configs)]
 
 
 CONTEXT_MODES = ("full", "window")

@@ -4,7 +4,7 @@ A tag is an env name plus its constructor config, an optional prompt override an
 episode horizon (``max_turn``, ``max_actions_per_turn``, ``max_actions_per_traj``). Runs mix
 tags in one training batch and validate on several (``es.train`` / ``es.val`` in the run
 config; see ``docs/env_tags.md``). :data:`PRESET_TAGS` ships RAGEN's usual ones; a run YAML
-adds or replaces tags under ``es.tags``.
+adds tags, replaces presets or extends them under ``es.tags``.
 
 This module knows envs and horizons only; the trainer turns a tag's horizon into the
 agent's settings.
@@ -115,8 +115,26 @@ def tag_names(user_tags: Mapping[str, Any] | None = None) -> list[str]:
     return sorted(set(PRESET_TAGS) | set(user_tags or {}))
 
 
+def _extend_preset(name: str, own: dict[str, Any]) -> dict[str, Any]:
+    """A user tag without ``env`` named like a preset: the preset with ``own``'s settings on top.
+
+    ``config`` keys are merged over the preset's config; every other field ``own`` sets (a non-empty
+    ``instructions``, a non-None prompt or horizon) replaces the preset's, the rest is the preset's.
+    """
+    merged = dict(PRESET_TAGS[name])
+    merged["config"] = {**(merged.get("config") or {}), **(own.get("config") or {})}
+    for key, value in own.items():
+        if key not in ("env", "config") and value not in (None, ""):
+            merged[key] = value
+    return merged
+
+
 def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = None) -> EnvTag:
     """The tag called ``name``: the run's own definition (``es.tags``) wins over a preset.
+
+    A user tag that names its ``env`` replaces the preset of the same name whole; one without ``env``
+    named like a preset extends it (``es.tags.Bandit.config.own_payoff_draw=true`` keeps the preset
+    Bandit's arm names, order and horizon and adds the key; :func:`_extend_preset`).
 
     Checks the tag fully (its env exists and accepts the config, horizons are >= 1, or >= 0
     for ``max_actions_per_traj``) and raises :class:`TagError` naming the tag otherwise.
@@ -126,6 +144,8 @@ def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = N
         raise TagError(f"env tag {name!r}: a tag name must be non-empty, without '/' or surrounding spaces")
     if name in user_tags:
         raw = dict(user_tags[name])
+        if not raw.get("env") and name in PRESET_TAGS and not set(raw) - set(TAG_KEYS):
+            raw = _extend_preset(name, raw)
     elif name in PRESET_TAGS:
         raw = dict(PRESET_TAGS[name])
     else:
@@ -134,7 +154,8 @@ def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = N
     if unknown:
         raise TagError(f"env tag {name!r}: unknown key {unknown[0]!r}; a tag has {', '.join(TAG_KEYS)}")
     if not raw.get("env"):
-        raise TagError(f"env tag {name!r}: 'env' (a registered env name) is required")
+        raise TagError(f"env tag {name!r}: 'env' (a registered env name) is required "
+                       f"(only a tag named like a preset may leave it out, to extend that preset)")
     raw["config"] = dict(raw.get("config") or {})
     tag = EnvTag(name=name, **raw)
     for key in ("max_turn", "max_actions_per_turn"):

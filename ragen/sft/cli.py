@@ -23,7 +23,7 @@ def _quiet() -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ragen.cli import note_unused_env_keys
+    from ragen.cli import note_lost_env_settings
     from ragen.config import ConfigError, load_config
     from ragen.sft.generate import demo_target, expert_records, rollout_records, write_jsonl
 
@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _fail("generate needs an env preset or YAML config (or --from-run RUN_DIR)")
     try:
         config = load_config(args.env, args.overrides)
-        note_unused_env_keys(config)
+        note_lost_env_settings(config)
         env_name = demo_target(config)[0]
         stats: dict = {}
         count = write_jsonl(expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats), args.out)

@@ -91,44 +91,66 @@ MIXED = "es.train=[{tag: Bandit, groups: 2}]"
 
 
 @pytest.mark.parametrize(
-    "override, fix",
+    "override, key, fix",
     [
-        ("env.config.own_payoff_draw=false", "es.tags.NAME.config.own_payoff_draw=VALUE"),
-        ("env.name=sokoban", "es.tags.NAME={env: ENV"),
-        ("env={name: sokoban}", "es.tags.NAME={env: ENV"),
-        ("rollout.env_groups=3", "es.train=[{tag: NAME, groups: N}]"),
+        ("env.config.own_payoff_draw=false", "env.config.own_payoff_draw", "es.tags.TAG.config.own_payoff_draw=VALUE"),
+        ("env.name=sokoban", "env.name", "es.tags.TAG={env: ENV"),
+        ("env={name: sokoban}", "env", "es.tags.TAG={env: ENV"),
+        ("rollout.env_groups=3", "rollout.env_groups", "es.train=[{tag: TAG, groups: N}]"),
+        ("rollout={env_groups: 3}", "rollout.env_groups", "es.train=[{tag: TAG, groups: N}]"),
+        ("rollout.env_groups=0", "rollout.env_groups", "not used"),  # not "must be >= 1": the key is not read at all
     ],
 )
-def test_a_typed_key_es_train_never_reads_exits_2(override, fix, capsys, tmp_path):
-    load_config("bandit", [override])  # without es.train the same override is used, so accepted
+def test_a_typed_key_es_train_never_reads_exits_2(override, key, fix, capsys, tmp_path):
+    if not override.endswith("=0"):
+        load_config("bandit", [override])  # without es.train the same override is used, so accepted
     for overrides in ([MIXED, override], [override, MIXED]):  # the order on the command line does not matter
         with pytest.raises(ConfigError, match="not used when es.train is set"):
             load_config("bandit", overrides)
     assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path}", MIXED, override]) == 2
     err = capsys.readouterr().err
-    key = override.split("=")[0]
-    assert f"config key {key!r}" in err and fix in err and "Traceback" not in err and err.count("\n") == 1
+    assert f"config key {key!r}: not used" in err and fix in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "config.yaml").exists()
 
 
-def test_unused_env_settings_from_a_file_are_noted_and_still_load(capsys, tmp_path):
-    from ragen.cli import note_unused_env_keys
-    from ragen.config import to_yaml, unused_single_env_keys
+def test_the_fix_the_error_names_works_and_keeps_the_preset_tags_other_settings():
+    config = load_config("bandit", [MIXED, "es.tags.Bandit.config.own_payoff_draw=true"])
+    [train] = train_sets(config)
+    assert train.tag.config == {"name_set": "train", "arm_order": "seed_parity", "own_payoff_draw": True}
+    assert (train.settings.max_turn, train.settings.max_actions_per_turn) == (1, 1)
+    assert train.tag.make_env().config.own_payoff_draw is True
+    # es.val's Bandit is the same (extended) tag; BanditTest is untouched.
+    assert [s.tag.config.get("own_payoff_draw") for s in val_sets(config)] == [True, None]
+    # Other fields of an extending tag replace the preset's; a tag that names its env replaces the preset whole.
+    longer = load_config(None, ["es.train=[{tag: FrozenLake, groups: 1}]", "es.tags.FrozenLake.max_turn=7"])
+    assert train_sets(longer)[0].settings.max_turn == 7 and train_sets(longer)[0].tag.config["is_slippery"] is False
+    whole = load_config(None, ["es.train=[{tag: Bandit, groups: 1}]", "es.tags.Bandit={env: bandit}"])
+    assert train_sets(whole)[0].tag.config == {}
+    # A new tag still has to name its env.
+    with pytest.raises(ConfigError, match="only a tag named like a preset may leave it out"):
+        load_config(None, ["es.train=[{tag: Mine, groups: 1}]", "es.tags.Mine.config.high_prob=0.5"])
 
-    # The main job's preset sets env.config; a command-line es.train replaces its env, so it is noted.
+
+def test_env_settings_a_file_loses_to_es_train_are_noted_and_the_run_goes_on(capsys, tmp_path):
+    from ragen.config import lost_env_settings, to_yaml
+
+    # The main job's preset sets env.config.own_payoff_draw; the command line's es.train trains on
+    # the Bandit tag, which does not set it: the setting is lost, and said so.
     config = load_config("bandit", [MIXED])
-    assert unused_single_env_keys(config) == ["env.config"]
-    note_unused_env_keys(config)
-    assert capsys.readouterr().err.startswith("ragen: note: env.config not used: es.train is set")
-    # Such a run's saved config.yaml loads again (resume, eval) with the same note, not an error.
-    saved = tmp_path / "config.yaml"
-    saved.write_text(to_yaml(config))
-    assert unused_single_env_keys(load_config(str(saved))) == ["env.config"]
-    # The defaults under es.train, and a preset's env without es.train, are not noted.
-    assert unused_single_env_keys(load_config(None, [MIXED])) == []
-    assert unused_single_env_keys(load_config("bandit")) == []
-    both = load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 2}]"])
-    assert unused_single_env_keys(both) == ["env.name", "env.config", "rollout.env_groups"]
+    assert lost_env_settings(config) == ["env.config.own_payoff_draw"]
+    # Nothing is lost when the tag sets the same value, nor with the presets' own defaults.
+    assert lost_env_settings(load_config("bandit", [MIXED, "es.tags.Bandit.config.own_payoff_draw=true"])) == []
+    assert lost_env_settings(load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 2}]"])) == []
+    assert lost_env_settings(load_config("frozen_lake", ["es.train=[{tag: SlipperyFrozenLake, groups: 1}]"])) == []
+    assert lost_env_settings(load_config("bandit")) == []  # no es.train: env is the training env
+    # Such a run's saved config.yaml: `ragen train --resume` notes it and goes on to look for a checkpoint.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(config))
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("ragen: note: env.config.own_payoff_draw not used: es.train is set")
+    assert "no valid checkpoint" in err[1] and len(err) == 2
 
 
 # -- advantages and filtering never mix tags ---------------------------------------------------
