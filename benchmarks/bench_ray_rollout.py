@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=None,
                    help="rollout.env_groups (default 4; a preset with es.train takes its entries' groups instead)")
     p.add_argument("--group-size", type=int, default=4, help="rollout.group_size")
-    p.add_argument("--max-turn", type=int, default=3, help="agent.max_turn")
+    p.add_argument("--max-turn", type=int, default=3, help="agent.max_turn (an es.train preset's tags set their own)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="Ray worker counts to run")
     p.add_argument("--no-local", action="store_true", help="skip the local variant")
@@ -79,10 +79,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from ragen.config import load_config
 
-    mix = load_config(args.env).es.train
+    from ragen.train.env_sets import train_sets
+
+    preset = load_config(args.env, [f"agent.max_turn={args.max_turn}"])
+    mix = preset.es.train
     if mix and args.groups is not None:
         p.error(f"--env {args.env} trains on es.train tags: its groups come from their entries, not --groups")
     groups = sum(entry.groups for entry in mix) if mix else (4 if args.groups is None else args.groups)
+    turns = ", ".join(f"{s.name}: {s.settings.max_turn}" for s in train_sets(preset))  # a tag's horizon wins
 
     import ray
     import torch
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, ray {ray.__version__}")
     print(f"settings: model={args.model} env={args.env} groups={groups}x{args.group_size} "
-          f"({groups * args.group_size} episodes/step) max_turn={args.max_turn} max_new_tokens={args.max_new_tokens} "
+          f"({groups * args.group_size} episodes/step) max_turn=({turns}) max_new_tokens={args.max_new_tokens} "
           f"threads={args.threads} warmup={args.warmup} steps={args.steps} temperature=1.0 (sampled)")
 
     rows = []

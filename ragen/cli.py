@@ -29,8 +29,10 @@ def note_lost_env_settings(config) -> None:
 
     lost = lost_env_settings(config)
     if lost and os.environ.get("RANK", "0") == "0":
+        groups = sum(entry.groups for entry in config.es.train)
         print(f"ragen: note: {', '.join(lost)} not used: es.train is set, so its tags are the training envs "
-              "(set it on the tag: es.tags.TAG.config.KEY; docs/env_tags.md)", file=sys.stderr)
+              f"({groups} groups in all; env settings go on a tag: es.tags.TAG.config.KEY; docs/env_tags.md)",
+              file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

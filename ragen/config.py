@@ -105,7 +105,7 @@ class EnvSetsConfig:
     ``val`` = every training tag with ``trainer.val_episodes`` episodes.
     """
 
-    #: Your own tags by name (they replace a preset of the same name).
+    #: Your own tags by name (one naming its env replaces a preset of the same name; one without extends it).
     tags: dict[str, EnvTagConfig] = field(default_factory=dict)
     #: Training mix: ``[{tag: SimpleSokoban, groups: 4}, {tag: FrozenLake, groups: 4}]``.
     train: list[TrainTagConfig] = field(default_factory=list)
@@ -375,17 +375,38 @@ def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] |
 
 
 def lost_env_settings(config: RunConfig) -> list[str]:
-    """``env.config`` keys this run sets but never uses: ``es.train`` is set and no training tag of that env
-    has the key at that value. (A preset's ``env`` section that equals its tag's config loses nothing.)"""
-    if not config.es.train or not config.env.config:
-        return []
-    from ragen.envs.tags import resolve_tag
+    """Settings from the single-env keys that ``es.train`` leaves unused and that differ from what it trains on.
 
-    user = user_tag_dicts(config)
-    tags = [resolve_tag(entry.tag, user) for entry in config.es.train]
-    configs = [t.config for t in tags if t.env == config.env.name]
-    return [f"env.config.{key}" for key, value in config.env.config.items()
-            if not any(key in c and c[key] == value for c in configs)]
+    ``env.config.KEY`` when no training env of ``env.name`` ends up with that value (the envs' resolved
+    configs are compared, so a key at the env's default, or at the tag's value, loses nothing), and
+    ``rollout.env_groups`` when it is away from its default and from the groups ``es.train`` sums to.
+    """
+    if not config.es.train:
+        return []
+    lost = []
+    if config.env.config:
+        import ragen.envs
+        from ragen.envs.tags import resolve_tag
+
+        user = user_tag_dicts(config)
+        tags = [resolve_tag(entry.tag, user) for entry in config.es.train]
+        trained = [tag.make_env() for tag in tags if tag.env == config.env.name]
+        try:
+            section = ragen.envs.make(config.env.name, **config.env.config)  # its resolved config (types, defaults)
+        except (ValueError, TypeError):  # never validated under es.train: compare the values as written
+            section = None
+        missing = object()
+        for key, written in config.env.config.items():
+            value = getattr(getattr(section, "config", None), key, written)
+            if not any(getattr(getattr(env, "config", None), key, missing) == value for env in trained):
+                lost.append(f"env.config.{key}")
+        for env in [*trained, section]:
+            if env is not None:
+                env.close()
+    groups = sum(entry.groups for entry in config.es.train)
+    if config.rollout.env_groups not in (RolloutConfig().env_groups, groups):
+        lost.append("rollout.env_groups")
+    return lost
 
 
 CONTEXT_MODES = ("full", "window")

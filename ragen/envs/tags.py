@@ -115,16 +115,19 @@ def tag_names(user_tags: Mapping[str, Any] | None = None) -> list[str]:
     return sorted(set(PRESET_TAGS) | set(user_tags or {}))
 
 
-def _extend_preset(name: str, own: dict[str, Any]) -> dict[str, Any]:
+def extend_preset(name: str, own: dict[str, Any]) -> dict[str, Any]:
     """A user tag without ``env`` named like a preset: the preset with ``own``'s settings on top.
 
     ``config`` keys are merged over the preset's config; every other field ``own`` sets (a non-empty
-    ``instructions``, a non-None prompt or horizon) replaces the preset's, the rest is the preset's.
+    ``instructions``, a non-None system prompt or horizon) replaces the preset's; a field left unset
+    (None) keeps the preset's, so an extending tag cannot hand a preset's horizon back to the
+    ``agent`` section (replace the preset whole for that).
     """
     merged = dict(PRESET_TAGS[name])
     merged["config"] = {**(merged.get("config") or {}), **(own.get("config") or {})}
     for key, value in own.items():
-        if key not in ("env", "config") and value not in (None, ""):
+        # None (and "" instructions) is the schema's "not set"; a "" system prompt means no system message
+        if key not in ("env", "config") and value is not None and not (key == "instructions" and value == ""):
             merged[key] = value
     return merged
 
@@ -134,7 +137,7 @@ def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = N
 
     A user tag that names its ``env`` replaces the preset of the same name whole; one without ``env``
     named like a preset extends it (``es.tags.Bandit.config.own_payoff_draw=true`` keeps the preset
-    Bandit's arm names, order and horizon and adds the key; :func:`_extend_preset`).
+    Bandit's arm names, order and horizon and adds the key; :func:`extend_preset`).
 
     Checks the tag fully (its env exists and accepts the config, horizons are >= 1, or >= 0
     for ``max_actions_per_traj``) and raises :class:`TagError` naming the tag otherwise.
@@ -145,7 +148,7 @@ def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = N
     if name in user_tags:
         raw = dict(user_tags[name])
         if not raw.get("env") and name in PRESET_TAGS and not set(raw) - set(TAG_KEYS):
-            raw = _extend_preset(name, raw)
+            raw = extend_preset(name, raw)
     elif name in PRESET_TAGS:
         raw = dict(PRESET_TAGS[name])
     else:

@@ -70,7 +70,7 @@ def _dict(value: Any) -> dict:
 
 def resolve_spec(run_config: dict | None, traj: dict) -> EnvSpec:
     """The env, its config and its action budget for ``traj``, as the trainer built them."""
-    from ragen.envs.tags import PRESET_TAGS
+    from ragen.envs.tags import PRESET_TAGS, extend_preset
 
     env_name = traj.get("env")
     if not isinstance(env_name, str):
@@ -87,6 +87,9 @@ def resolve_spec(run_config: dict | None, traj: dict) -> EnvSpec:
     single = {"env": env_section.get("name"), "config": env_section.get("config")}
     if tag in user_tags:
         raw = _dict(user_tags[tag])
+        if not raw.get("env") and tag in PRESET_TAGS and isinstance(raw.get("config") or {}, dict):
+            # a tag without env extends the preset of its name (ragen.envs.tags.resolve_tag)
+            raw = extend_preset(tag, raw)
     elif not es.get("train") and tag == env_section.get("name"):
         raw = single
     elif tag in PRESET_TAGS:

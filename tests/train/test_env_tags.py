@@ -124,6 +124,8 @@ def test_the_fix_the_error_names_works_and_keeps_the_preset_tags_other_settings(
     # Other fields of an extending tag replace the preset's; a tag that names its env replaces the preset whole.
     longer = load_config(None, ["es.train=[{tag: FrozenLake, groups: 1}]", "es.tags.FrozenLake.max_turn=7"])
     assert train_sets(longer)[0].settings.max_turn == 7 and train_sets(longer)[0].tag.config["is_slippery"] is False
+    quiet = load_config(None, ["es.train=[{tag: Bandit, groups: 1}]", "es.tags.Bandit.system_prompt=''"])
+    assert train_sets(quiet)[0].settings.system_prompt == ""  # "" = no system message, as on any tag
     whole = load_config(None, ["es.train=[{tag: Bandit, groups: 1}]", "es.tags.Bandit={env: bandit}"])
     assert train_sets(whole)[0].tag.config == {}
     # A new tag still has to name its env.
@@ -140,9 +142,16 @@ def test_env_settings_a_file_loses_to_es_train_are_noted_and_the_run_goes_on(cap
     assert lost_env_settings(config) == ["env.config.own_payoff_draw"]
     # Nothing is lost when the tag sets the same value, nor with the presets' own defaults.
     assert lost_env_settings(load_config("bandit", [MIXED, "es.tags.Bandit.config.own_payoff_draw=true"])) == []
-    assert lost_env_settings(load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 2}]"])) == []
+    assert lost_env_settings(load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 4}]"])) == []  # its 4 groups
     assert lost_env_settings(load_config("frozen_lake", ["es.train=[{tag: SlipperyFrozenLake, groups: 1}]"])) == []
     assert lost_env_settings(load_config("bandit")) == []  # no es.train: env is the training env
+    # The envs' resolved configs are compared: a key at the env's default is not lost; one the tag does not keep is.
+    yaml = tmp_path / "mine.yaml"
+    yaml.write_text("env: {name: sokoban, config: {search_depth: 30, num_boxes: 2}}\n"
+                    "rollout: {env_groups: 32}\nes: {train: [{tag: SimpleSokoban}]}\n")
+    assert lost_env_settings(load_config(str(yaml))) == ["env.config.num_boxes", "rollout.env_groups"]
+    assert lost_env_settings(load_config(str(yaml), ["es.train=[{tag: SimpleSokoban, groups: 32}]"])) == [
+        "env.config.num_boxes"]  # 32 groups either way
     # Such a run's saved config.yaml: `ragen train --resume` notes it and goes on to look for a checkpoint.
     run = tmp_path / "run"
     run.mkdir()

@@ -302,7 +302,9 @@ def test_mixed_tags_and_slippery_lake_replay(tmp_path, tokenizer):
             "{tag: BigLake, groups: 1}, {tag: Bandit, groups: 1}]")
     records = _write_run(
         tmp_path / "mixed", tokenizer, None,
-        [tags, "es.tags={BigLake: {env: frozen_lake, config: {size: 5, is_slippery: true}, max_turn: 4}}",
+        # SlipperyFrozenLake without env extends the preset: still slippery, now 5x5 (replayed as the trainer resolved it)
+        [tags, "es.tags={BigLake: {env: frozen_lake, config: {size: 5, is_slippery: true}, max_turn: 4}, "
+               "SlipperyFrozenLake: {config: {size: 5}}}",
          "rollout.group_size=2", "agent.max_turn=5", "agent.max_actions_per_turn=2"],
         seeds_per_group=(30,),
     )
@@ -315,7 +317,7 @@ def test_mixed_tags_and_slippery_lake_replay(tmp_path, tokenizer):
             continue
         frames = _pngs(page)
         assert len(frames) == len(record["turns"]) + 1 and "No rendered frame" not in page, record["tag"]
-        size = 5 if record["tag"] == "BigLake" else (4 if record["env"] == "frozen_lake" else 6)
+        size = 6 if record["env"] == "sokoban" else 5
         assert frames[0].shape == (size * 32, size * 32, 3)
 
 
