@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -310,6 +311,53 @@ def _friendly(exc: OmegaConfBaseException) -> str:
     return f"config key {key!r}: {msg}" if key else msg
 
 
+def load_yaml_mapping(path: str | Path) -> DictConfig:
+    """A YAML file whose top level is a mapping; :class:`ConfigError` naming the file otherwise (a syntax
+    error, bytes that are not UTF-8 text, a list or a scalar at the top, an unreadable file)."""
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config file {path}:{line} is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text") from None
+    except OSError as exc:  # OmegaConf also raises it for a scalar at the top level
+        if "Invalid loaded object type" in str(exc):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of sections") from None
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections (got a list)")
+    return loaded
+
+
+def overrides_layer(overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    """``key=value`` overrides as one config layer; :class:`ConfigError` naming the override whose value is not YAML."""
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except yaml.YAMLError:
+        bad = next((item for item in overrides if _bad_yaml_value(item)), None)
+        raise ConfigError(f"override {bad!r}: its value is not valid YAML" if bad else "an override's value is not valid YAML") from None
+
+
+def _wrong_container(schema: DictConfig, overrides: list[str] | tuple[str, ...], preset: str | None) -> str:
+    """The message for a list where the schema has a mapping (or the reverse): the override that does it, else the file."""
+    for item in overrides:
+        try:
+            OmegaConf.merge(schema, OmegaConf.from_dotlist([item]))
+        except (TypeError, OmegaConfBaseException):
+            return f"override {item!r}: a list where the config has a mapping, or a mapping where it has a list"
+    return f"config file {preset}: a list where the config has a mapping, or a mapping where it has a list"
+
+
+def _bad_yaml_value(item: str) -> bool:
+    try:
+        yaml.safe_load(item.split("=", 1)[1])
+        return False
+    except yaml.YAMLError:
+        return True
+
+
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults ← preset name or YAML path ← ``key=value`` overrides, validated; returns a ``RunConfig``."""
     schema = OmegaConf.structured(RunConfig)
@@ -319,7 +367,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         if not path.suffix:
             path = PRESET_DIR / f"{preset}.yaml"
         if path.is_file():
-            layers.append(OmegaConf.load(path))
+            layers.append(load_yaml_mapping(path))
         elif preset.endswith((".yaml", ".yml")):
             raise ConfigError(f"config file not found: {preset}")
         else:  # an env name without a preset: defaults with that env
@@ -328,11 +376,13 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        layers.append(overrides_layer(overrides))
         merged = OmegaConf.merge(schema, *layers)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
+    except TypeError:  # OmegaConf cannot merge a list into a mapping section (or the other way round)
+        raise ConfigError(_wrong_container(schema, overrides, preset)) from None
     _reject_overrides_es_train_ignores(config, overrides)
     validate(config)
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)

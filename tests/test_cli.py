@@ -63,3 +63,39 @@ def test_overrides_may_follow_options(tmp_path, capsys):
     assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # and so does a non key=value word
         main(["sft", "generate", "bandit", "--n", "2", "--out", str(out), "stray"])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"trainer: {total_steps: [1\n", "line 2 is not valid YAML"),
+        (b"- 1\n- 2\n", "the top level must be a mapping"),
+        (b"5\n", "the top level must be a mapping"),
+        (b"\xf5\x00\xff binary", "not UTF-8 text"),
+        (b"es:\n  tags: [1]\n", "a list where the config has a mapping"),
+    ],
+)
+def test_a_broken_yaml_config_exits_2_naming_the_file(content, message, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+    assert main(["train", str(path), "model=tiny", f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {path}" in err and message in err and "Traceback" not in err and err.count("\n") == 1
+    # A run dir's saved config.yaml goes through the same check on --resume and eval.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_bytes(content)
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert main(["eval", "tiny", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.count(message) == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.total_steps=[1", "override 'trainer.total_steps=[1': its value is not valid YAML"),
+    ("es.tags=[1]", "override 'es.tags=[1]': a list where the config has a mapping"),
+])
+def test_an_override_that_is_not_yaml_or_the_wrong_kind_exits_2(override, message, capsys):
+    assert main(["train", "bandit", "model=tiny", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
