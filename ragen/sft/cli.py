@@ -7,6 +7,7 @@ a subcommand runs. Every user mistake is one line ``ragen: error: …`` and exit
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 
@@ -25,28 +26,43 @@ def _quiet() -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from ragen.cli import note_lost_env_settings
     from ragen.config import ConfigError, load_config
-    from ragen.sft.generate import demo_target, expert_records, rollout_records, write_jsonl
+    from ragen.sft.generate import (demo_target, expert_records, output_problem, rollout_logs, rollout_records,
+                                    write_jsonl)
 
     if args.n < 0 or (args.n == 0 and not args.from_run):
         return _fail(f"--n must be >= 1 (got {args.n}); with --from-run, 0 means every successful episode")
+    # Every check comes before --out is touched, and write_jsonl replaces it only once the
+    # last record is written: bad input leaves an existing --out file as it was.
     if args.from_run:
         if args.env or args.overrides:
             return _fail("generate --from-run takes the env and agent settings from the run's config.yaml; give no ENV or overrides")
+        run = Path(args.from_run)
+        problem = output_problem(args.out, [run / "config.yaml", *rollout_logs(run)], run_dir=run)
+        if problem:
+            return _fail(problem)
         try:
-            count = write_jsonl(rollout_records(args.from_run, args.n), args.out)
-        except (FileNotFoundError, ConfigError, ValueError) as exc:
+            records = rollout_records(run, args.n)
+            first = next(records, None)  # nothing to write: fail without replacing --out
+            if first is None:
+                return _fail(f"{args.from_run}: no successful, well-formed episode in rollouts/*.jsonl")
+            count = write_jsonl(itertools.chain([first], records), args.out)
+        except (ConfigError, ValueError, OSError) as exc:
             return _fail(str(exc))
         print(f"[ragen sft] wrote {count} successful rollout episodes of {args.from_run} to {args.out}")
-        return 0 if count else _fail(f"{args.from_run}: no successful, well-formed episode in rollouts/*.jsonl")
+        return 0
     if not args.env:
         return _fail("generate needs an env preset or YAML config (or --from-run RUN_DIR)")
+    problem = output_problem(args.out, [args.env] if Path(args.env).suffix and Path(args.env).is_file() else [])
+    if problem:
+        return _fail(problem)
     try:
         config = load_config(args.env, args.overrides)
         note_lost_env_settings(config)
         env_name = demo_target(config)[0]
         stats: dict = {}
-        count = write_jsonl(expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats), args.out)
-    except (ConfigError, ValueError) as exc:
+        records = expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats)  # checks the env
+        count = write_jsonl(records, args.out)
+    except (ConfigError, ValueError, OSError) as exc:
         return _fail(str(exc))
     rate = stats["succeeded"] / max(1, stats["played"])
     print(f"[ragen sft] wrote {count} expert episodes of {env_name} to {args.out} "

@@ -30,6 +30,7 @@ from ragen.agent.parser import parse_response
 from ragen.agent.rollout import AgentSettings
 from ragen.config import RunConfig, load_config
 from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
+from ragen.sft.files import atomic_open
 from ragen.sft.rationale import explain
 
 #: Seeds of generated data are drawn below this bound, like training seeds: validation seeds
@@ -135,11 +136,17 @@ def expert_records(config: RunConfig, n: int, *, keep_failures: bool = False, ma
     Failed episodes (the solver ran out of turns or actions, or slipped into a hole) are
     skipped unless ``keep_failures``; at most ``max_episodes`` (default ``20 n``) are played.
     ``stats``, if given, is updated with ``played`` and ``succeeded`` episode counts.
+    The env and agent settings are checked by this call (``ValueError``), before any episode.
     """
     stats = stats if stats is not None else {}
     stats.update(played=0, succeeded=0)
     env_name, env_config, settings = demo_target(config)
     env = ragen.envs.make(env_name, **env_config)
+    return _expert_episodes(config, env, settings, n, keep_failures, max_episodes, stats)
+
+
+def _expert_episodes(config: RunConfig, env: Any, settings: AgentSettings, n: int, keep_failures: bool,
+                     max_episodes: int | None, stats: dict) -> Iterator[dict]:
     expert = PlanningExpert(max_actions_per_turn=settings.max_actions_per_turn)
 
     def think(env_: Any, actions: list[str]) -> str:
@@ -171,6 +178,11 @@ def run_config(run_dir: str | Path) -> RunConfig:
     return load_config(str(path))
 
 
+def rollout_logs(run_dir: str | Path) -> list[Path]:
+    """The rollout logs (``rollouts/*.jsonl``) of a ``ragen train`` run dir, in step order."""
+    return sorted(p for p in (Path(run_dir) / "rollouts").glob("*.jsonl") if p.is_file())
+
+
 def rollout_records(run_dir: str | Path, n: int = 0) -> Iterator[dict]:
     """Rejection sampling: the successful, fully well-formed episodes logged in ``run_dir/rollouts/*.jsonl``.
 
@@ -179,18 +191,48 @@ def rollout_records(run_dir: str | Path, n: int = 0) -> Iterator[dict]:
     the canonical ``<think>…</think><answer>a1 || a2</answer>`` spelling). An episode is
     kept only if the replay succeeds again and every turn parsed; duplicates (same seed,
     same replies, e.g. within a group) are kept once. ``n > 0`` caps the count.
+
+    The run dir, its config and its env are checked by this call (``FileNotFoundError``,
+    ``ConfigError``, ``ValueError``); a log line that is not a rollout record raises
+    ``ValueError`` naming the file and line when the iteration reaches it.
     """
     config = run_config(run_dir)
     env_name, env_config, settings = demo_target(config)
     env = ragen.envs.make(env_name, **env_config)
-    logs = sorted((Path(run_dir) / "rollouts").glob("*.jsonl"))
+    logs = rollout_logs(run_dir)
     if not logs:
         raise FileNotFoundError(f"{run_dir}: no rollouts/*.jsonl (set trainer.log_rollouts_freq / log_rollouts_n when training)")
+    return _replayed_rollouts(config, env, settings, logs, n)
+
+
+def _rollout_problem(logged: Any) -> str | None:
+    """What makes ``logged`` unusable as a rollout log record (the keys this module reads), or None."""
+    if not isinstance(logged, dict):
+        return f"not a JSON object (got {json_kind(logged)})"
+    turns = logged.get("turns")
+    if not isinstance(turns, list):
+        return f"'turns' must be a list (got {json_kind(turns)})"
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return f"turns[{k}] is not an object (got {json_kind(turn)})"
+        if not isinstance(turn.get("response"), str):
+            return f"turns[{k}].response must be a string (got {json_kind(turn.get('response'))})"
+        if "format_valid" not in turn:
+            return f"turns[{k}] has no 'format_valid'"
+    seed = logged.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return f"'seed' must be an integer (got {json_kind(seed)})"
+    return None
+
+
+def _replayed_rollouts(config: RunConfig, env: Any, settings: AgentSettings, logs: list[Path], n: int) -> Iterator[dict]:
     seen: set[tuple] = set()
     kept = 0
     for log in logs:
-        for line in log.read_text().splitlines():
-            logged = json.loads(line)
+        for number, logged in iter_jsonl(log):
+            problem = _rollout_problem(logged)
+            if problem:
+                raise ValueError(f"{log}:{number}: not a rollout record: {problem}")
             if not logged.get("success") or logged.get("error") or not all(t["format_valid"] for t in logged["turns"]):
                 continue
             turns = []
@@ -214,31 +256,80 @@ def rollout_records(run_dir: str | Path, n: int = 0) -> Iterator[dict]:
                 return
 
 
+def output_problem(out: str | Path, inputs: Iterable[str | Path] = (), run_dir: str | Path | None = None) -> str | None:
+    """Why ``--out`` must not be written (a directory, one of the ``inputs``, a run's rollout log), or None."""
+    out = Path(out)
+    if out.is_dir():
+        return f"--out {out} is a directory; give a file name"
+    for item in inputs:
+        item = Path(item)
+        same = out.resolve() == item.resolve()
+        if not same and out.exists() and item.exists():
+            same = out.samefile(item)
+        if same:
+            return f"--out {out} is an input of this command ({item}); write to another file"
+    if run_dir is not None and out.suffix == ".jsonl" and out.resolve().parent == (Path(run_dir) / "rollouts").resolve():
+        return f"--out {out} is in {run_dir}/rollouts, where it would be read as a rollout log; write to another directory"
+    return None
+
+
 def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
-    """Write ``records`` one JSON object per line (UTF-8); return how many were written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``records`` one JSON object per line (UTF-8); return how many were written.
+
+    Atomic: the lines go to a temp file next to ``path``, which replaces ``path`` only after
+    the last record, so an error (or Ctrl-C) while the records are produced leaves an existing
+    ``path`` untouched.
+    """
     count = 0
-    with path.open("w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
     return count
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a JSONL file (blank lines skipped); ``ValueError`` naming the line if one is not JSON."""
-    records = []
-    with Path(path).open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+def json_kind(value: Any) -> str:
+    """``value``'s JSON type for an error message: "an object", "a list", "a string", "a number", "true", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of every non-blank line; ``ValueError`` naming the file and line if one is not UTF-8 JSON."""
+    with Path(path).open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                yield number, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file (blank lines skipped); ``ValueError`` naming the line if one is not a JSON object."""
+    records = []
+    for number, value in iter_jsonl(path):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object (got {json_kind(value)})")
+        records.append(value)
     return records
 
 
-__all__ = ["PlanningExpert", "ReplayAgent", "expert_records", "rollout_records", "make_record", "write_jsonl", "read_jsonl",
-           "agent_settings", "demo_target", "turn_actions", "run_config", "SEED_BOUND"]
+__all__ = ["PlanningExpert", "ReplayAgent", "expert_records", "rollout_records", "rollout_logs", "make_record", "write_jsonl",
+           "read_jsonl", "iter_jsonl", "json_kind", "output_problem", "agent_settings", "demo_target", "turn_actions", "run_config", "SEED_BOUND"]

@@ -1,0 +1,117 @@
+"""Bad input to `ragen sft` is one `ragen: error:` line, exit 2, and loses nothing: no output
+file, run config or user file is emptied or overwritten by a command that then fails."""
+
+import json
+
+import pytest
+
+from ragen.cli import main
+from ragen.config import ConfigError, load_config, to_yaml
+from ragen.sft.config import load_sft_config
+from ragen.sft.generate import write_jsonl
+
+FAST = ["model=tiny", "trainer.progress_bar=false", "trainer.batch_size=4", "trainer.micro_batch_size=2",
+        "trainer.precision=fp32", "optim.warmup_steps=0"]
+GOOD = {"messages": [{"role": "user", "content": "Pick an arm."}, {"role": "assistant", "content": "<answer>A</answer>"}],
+        "agent": {"response_prefix": ""}}
+
+
+def one_error_line(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ragen: error:"), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def no_temp_files(directory):
+    return not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft_bad") / "bandit.jsonl"
+    assert main(["sft", "generate", "bandit", "--n", "6", "--out", str(path)]) == 0
+    return path
+
+
+def fake_run(tmp_path, lines):
+    """A `ragen train` run dir (bandit) whose rollouts/step_000001.jsonl holds ``lines`` verbatim."""
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(load_config("bandit")))
+    (run / "rollouts" / "step_000001.jsonl").write_text("".join(line + "\n" for line in lines))
+    return run
+
+
+# ---------------------------------------------------------------- 1. generate --out
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bandit", "env.config.high_prob=5", "--n", "3"], "high_prob"),
+    (["--from-run", "nonexistent_run"], "nonexistent_run"),
+])
+def test_generate_bad_input_keeps_an_existing_out_file(argv, needle, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.jsonl").write_text("precious\n")
+    assert main(["sft", "generate", *argv, "--out", "keep.jsonl"]) == 2
+    one_error_line(capsys, needle)
+    assert (tmp_path / "keep.jsonl").read_text() == "precious\n"
+    assert no_temp_files(tmp_path)
+
+
+def test_generate_from_run_with_nothing_to_keep_keeps_the_out_file(tmp_path, capsys):
+    run = fake_run(tmp_path, [json.dumps({"seed": 1, "success": False, "error": "", "turns": []})])
+    out = tmp_path / "keep.jsonl"
+    out.write_text("precious\n")
+    assert main(["sft", "generate", "--from-run", str(run), "--out", str(out)]) == 2
+    one_error_line(capsys, "no successful")
+    assert out.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("target", ["rollouts/step_000001.jsonl", "config.yaml", "rollouts/sft.jsonl"])
+def test_generate_refuses_to_write_over_its_own_input(target, tmp_path, capsys):
+    run = fake_run(tmp_path, [json.dumps({"seed": 1, "success": False, "error": "", "turns": []})])
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert main(["sft", "generate", "--from-run", str(run), "--out", str(run / target)]) == 2
+    one_error_line(capsys, "--out")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_generate_refuses_its_yaml_config_as_out(tmp_path, capsys):
+    config = tmp_path / "bandit.yaml"
+    config.write_text(to_yaml(load_config("bandit")))
+    text = config.read_text()
+    assert main(["sft", "generate", str(config), "--n", "2", "--out", str(config)]) == 2
+    one_error_line(capsys, "input")
+    assert config.read_text() == text
+
+
+def test_write_jsonl_failing_midway_leaves_the_old_file(tmp_path):
+    out = tmp_path / "data.jsonl"
+    out.write_text("old\n")
+
+    def records():
+        yield {"a": 1}
+        raise ValueError("found late")
+
+    with pytest.raises(ValueError, match="found late"):
+        write_jsonl(records(), out)
+    assert out.read_text() == "old\n" and no_temp_files(tmp_path)
+    assert write_jsonl([{"a": 1}, {"b": 2}], out) == 2
+    assert out.read_text() == '{"a": 1}\n{"b": 2}\n' and no_temp_files(tmp_path)
+
+
+# ---------------------------------------------------------------- 5. --from-run logs
+
+@pytest.mark.parametrize("bad,needle", [
+    ("[1]", "not a rollout record: not a JSON object"),
+    ("{garbled", "not JSON"),
+    ('{"seed": 1, "success": true, "error": "", "turns": [5]}', "turns[0]"),
+])
+def test_from_run_bad_log_line_names_file_and_line(bad, needle, tmp_path, capsys):
+    ok = json.dumps({"seed": 1, "success": False, "error": "", "turns": []})
+    run = fake_run(tmp_path, [ok, bad])
+    out = tmp_path / "rs.jsonl"
+    assert main(["sft", "generate", "--from-run", str(run), "--out", str(out)]) == 2
+    one_error_line(capsys, "step_000001.jsonl:2:", needle)
+    assert not out.exists()
