@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ragen.agent.context import ChatTokens
-from ragen.sft.generate import read_jsonl
+from ragen.sft.generate import iter_jsonl, json_kind
 from ragen.sft.masking import TokenizedExample, tokenize_conversation
 
 
@@ -37,18 +38,58 @@ class SFTDataset:
     dropped_too_long: int = 0
 
 
-def tokenize_records(records: list[dict], tokenizer, *, train_on_eos: bool = True) -> list[TokenizedExample]:
-    """Every record's ``messages`` through :func:`tokenize_conversation` (prefix from the record's ``agent``)."""
+#: Message roles a training conversation may hold (what ``ragen sft generate`` writes).
+ROLES = ("system", "user", "assistant")
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes ``record`` unusable as a training conversation (the shape :func:`tokenize_conversation` needs), or None."""
+    if not isinstance(record, dict):
+        return f"not a JSON object (got {json_kind(record)})"
+    if "messages" not in record:
+        return "no 'messages' key"
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if messages == [] else json_kind(messages)
+        return f"'messages' must be a non-empty list of {{role, content}} objects (got {got})"
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{k}] is not an object (got {json_kind(message)})"
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            shown = repr(role) if isinstance(role, str) else json_kind(role)
+            return f"messages[{k}].role must be 'system', 'user' or 'assistant' (got {shown})"
+        if not isinstance(message.get("content"), str):
+            return f"messages[{k}].content must be a string (got {json_kind(message.get('content'))})"
+    agent = record.get("agent")
+    if agent is not None:
+        if not isinstance(agent, dict):
+            return f"'agent' must be an object of agent settings (got {json_kind(agent)})"
+        prefix = agent.get("response_prefix")
+        if prefix is not None and not isinstance(prefix, str):
+            return f"agent.response_prefix must be a string (got {json_kind(prefix)})"
+    return None
+
+
+def tokenize_records(records: list[dict], tokenizer, *, train_on_eos: bool = True,
+                     labels: list[str] | None = None) -> list[TokenizedExample]:
+    """Every record's ``messages`` through :func:`tokenize_conversation` (prefix from the record's ``agent``).
+
+    A malformed record raises ``ValueError`` starting with its label (``labels[i]``, default
+    ``record i``; :func:`load_dataset` passes ``FILE:LINE``).
+    """
     chat = ChatTokens(tokenizer)
     out = []
     for i, record in enumerate(records):
-        if "messages" not in record:
-            raise ValueError(f"record {i}: no 'messages' key")
+        label = labels[i] if labels is not None else f"record {i}"
+        problem = record_problem(record)
+        if problem:
+            raise ValueError(f"{label}: {problem}")
         prefix = (record.get("agent") or {}).get("response_prefix", "") or ""
         try:
             out.append(tokenize_conversation(chat, record["messages"], response_prefix=prefix, train_on_eos=train_on_eos))
         except ValueError as exc:
-            raise ValueError(f"record {i}: {exc}") from None
+            raise ValueError(f"{label}: {exc}") from None
     return out
 
 
@@ -57,16 +98,20 @@ def load_dataset(path: str | Path, tokenizer, *, eval_fraction: float, eval_max:
     """Tokenize ``path``, drop over-long conversations, and hold out a seeded random eval split.
 
     The eval split is ``min(eval_max, max(1, round(eval_fraction * n)))`` conversations
-    (none if only one conversation is left, so a single example still trains).
+    (none if only one conversation is left, so a single example still trains). A line that is
+    not a well-formed conversation raises ``ValueError`` naming the file, the line and the problem.
     """
-    records = read_jsonl(path)
-    if not records:
+    numbered = list(iter_jsonl(path))
+    if not numbered:
         raise ValueError(f"{path}: no records")
-    examples = tokenize_records(records, tokenizer, train_on_eos=train_on_eos)
+    examples = tokenize_records([record for _, record in numbered], tokenizer, train_on_eos=train_on_eos,
+                                labels=[f"{path}:{number}" for number, _ in numbered])
     kept = [e for e in examples if len(e) <= max_length and e.num_trained > 0]
     dropped = len(examples) - len(kept)
     if not kept:
-        raise ValueError(f"{path}: every conversation is longer than data.max_length={max_length} tokens")
+        if all(len(e) > max_length for e in examples):
+            raise ValueError(f"{path}: every conversation is longer than data.max_length={max_length} tokens")
+        raise ValueError(f"{path}: no conversation within data.max_length={max_length} tokens has an assistant token to train on")
     order = np.random.default_rng(seed).permutation(len(kept))
     n_eval = min(eval_max, max(1, round(eval_fraction * len(kept)))) if len(kept) > 1 else 0
     eval_set = [kept[i] for i in order[:n_eval]]
@@ -111,4 +156,4 @@ def step_examples(train: list[TokenizedExample], batch_size: int, seed: int, ste
     return picked
 
 
-__all__ = ["SFTBatch", "SFTDataset", "tokenize_records", "load_dataset", "collate", "epoch_order", "step_examples"]
+__all__ = ["SFTBatch", "SFTDataset", "ROLES", "record_problem", "tokenize_records", "load_dataset", "collate", "epoch_order", "step_examples"]

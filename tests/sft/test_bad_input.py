@@ -115,3 +115,32 @@ def test_from_run_bad_log_line_names_file_and_line(bad, needle, tmp_path, capsys
     assert main(["sft", "generate", "--from-run", str(run), "--out", str(out)]) == 2
     one_error_line(capsys, "step_000001.jsonl:2:", needle)
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- 4. training records
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"messages": [1, 2]}, "messages[0] is not an object"),
+    ({**GOOD, "agent": 5}, "'agent' must be an object"),
+    ({**GOOD, "agent": {"response_prefix": 3}}, "agent.response_prefix must be a string"),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content must be a string"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"text": "hi"}, "no 'messages' key"),
+    ([1], "not a JSON object"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+])
+def test_bad_training_record_names_file_line_and_problem(bad, needle, tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(bad) + "\n")
+    run = tmp_path / "run"
+    assert main(["sft", "train", str(path), *FAST, f"trainer.output_dir={run}"]) == 2
+    one_error_line(capsys, f"{path}:3:", needle)
+    assert not run.exists()
+
+
+def test_non_utf8_training_data_names_file_and_line(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
+    assert main(["sft", "train", str(path), *FAST, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    one_error_line(capsys, f"{path}:2:", "UTF-8")
