@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ragen.config import ConfigError
-    from ragen.sft.config import load_sft_config
+    from ragen.sft.config import load_sft_config, result_changing_differences
 
     overrides = list(args.overrides)
     yaml_path = None
@@ -95,6 +95,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.insert(0, f"data.path={args.data}")
     try:
         config = load_sft_config(yaml_path, overrides)
+        if args.resume:  # as `ragen train --resume`: overrides that change the steps already run need --force
+            saved = load_sft_config(yaml_path, [f"trainer.output_dir={args.resume}"], check=False)
+            changed = result_changing_differences(saved, config)
+            if changed and not args.force:
+                return _fail(f"--resume with a config that changes results ({', '.join(changed)}); pass --force to accept")
     except ConfigError as exc:
         return _fail(str(exc))
     _quiet()
@@ -140,6 +145,9 @@ def add_sft_parser(sub) -> None:
     train.add_argument("data", nargs="?", help="JSONL file from `ragen sft generate`")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. lora.rank=16 trainer.max_steps=100")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
+    train.add_argument("--force", action="store_true",
+                       help="with --resume: accept overrides that change results (anything but trainer.max_steps, epochs, "
+                            "eval_freq, save_freq, ...)")
     train.set_defaults(func=cmd_train)
 
     merge = sft_sub.add_parser("merge", help="merge a LoRA adapter (or a LoRA run dir) into a standalone HF model dir")

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import ConfigError, LoraConfig, _friendly
+from ragen.config import ConfigError, LoraConfig, _friendly, load_yaml_mapping, overrides_layer
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
@@ -95,24 +95,83 @@ class SFTConfig:
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
 
-def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
-    """Defaults ← optional YAML ← ``key=value`` overrides, validated; returns an :class:`SFTConfig`."""
-    layers = []
+def _wrong_container(schema, overrides: list[str] | tuple[str, ...]) -> str:
+    """The message for a list where the schema has a mapping (or the reverse), naming the override that does it."""
+    for item in overrides:
+        try:
+            OmegaConf.merge(schema, OmegaConf.from_dotlist([item]))
+        except (TypeError, OmegaConfBaseException):
+            return f"override {item!r}: a list where the config has a mapping, or a mapping where it has a list"
+    return "an override puts a list where the config has a mapping, or a mapping where it has a list"
+
+
+def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                    check: bool = True) -> SFTConfig:
+    """Defaults ← optional YAML ← ``key=value`` overrides, validated; returns an :class:`SFTConfig`.
+
+    A YAML file that is not a mapping of known keys (a syntax error, bytes that are not UTF-8,
+    a list at the top, an unknown key) raises :class:`ConfigError` naming the file.
+    ``check=False`` skips :func:`validate` (types are still checked): the saved config of a run
+    whose data file has moved still loads, e.g. to compare it with the resumed one.
+    """
+    merged = OmegaConf.structured(SFTConfig)
     if yaml_path:
         if not Path(yaml_path).is_file():
             raise ConfigError(f"config file not found: {yaml_path}")
-        layers.append(OmegaConf.load(yaml_path))
+        layer = load_yaml_mapping(yaml_path)
+        try:  # the file's own mistakes name the file
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"config file {yaml_path}: {_friendly(exc)}") from None
+        except TypeError:
+            raise ConfigError(f"config file {yaml_path}: a list where the config has a mapping, "
+                              "or a mapping where it has a list") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
+    schema = merged
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(OmegaConf.structured(SFTConfig), *layers)
+        merged = OmegaConf.merge(merged, overrides_layer(overrides))
         config: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
-    validate(config)
+    except TypeError:
+        raise ConfigError(_wrong_container(schema, overrides)) from None
+    if check:
+        validate(config)
     return config
+
+
+#: Keys that may change on ``ragen sft train --resume`` without changing the steps already run
+#: (``max_steps``/``epochs`` extend or shorten the run, as ``trainer.total_steps`` does for RL runs).
+RESUME_SAFE_KEYS = {
+    "trainer.max_steps", "trainer.epochs", "trainer.progress_bar", "trainer.eval_freq", "trainer.output_dir",
+    "trainer.save_freq", "trainer.keep_checkpoints", "trainer.max_time_s", "trainer.save_final",
+    "trainer.num_threads",
+    "trainer.gradient_checkpointing",  # same results up to float rounding; the fix after an OOM kill
+}
+
+
+def result_changing_differences(old: SFTConfig, new: SFTConfig) -> list[str]:
+    """Dotted keys whose values differ between two SFT configs, ignoring :data:`RESUME_SAFE_KEYS`."""
+
+    def flat(config: SFTConfig) -> dict:
+        out: dict = {}
+
+        def walk(node, prefix: str) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix[:-1]] = node
+
+        walk(OmegaConf.to_container(OmegaConf.structured(config)), "")
+        if out.get("trainer.precision") in PRECISIONS and check_device_spec(out.get("trainer.device")) is None:
+            out["trainer.precision"] = resolve_precision(out["trainer.precision"], out["trainer.device"])
+        return out
+
+    a, b = flat(old), flat(new)
+    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
 
 
 def validate(config: SFTConfig) -> None:
@@ -146,4 +205,5 @@ def to_yaml(config: SFTConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-__all__ = ["SFTConfig", "SFTDataConfig", "SFTOptimConfig", "SFTTrainerConfig", "load_sft_config", "validate", "to_yaml"]
+__all__ = ["SFTConfig", "SFTDataConfig", "SFTOptimConfig", "SFTTrainerConfig", "load_sft_config", "validate", "to_yaml",
+           "RESUME_SAFE_KEYS", "result_changing_differences"]

@@ -30,6 +30,7 @@ from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
+from ragen.sft.files import write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw
@@ -55,6 +56,7 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig, resume: bool = False):
         self.config = config
         t = config.trainer
+        self.run_dir = self._check_run_dir(resume)  # before the model loads: a refused dir fails fast
         if t.num_threads > 0:
             torch.set_num_threads(t.num_threads)
         seed_everything(config.seed)
@@ -82,11 +84,13 @@ class SFTTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.warmup_steps, self.total_steps, o.schedule, o.min_lr_ratio))
         self.start_step = 0
-        self.run_dir = self._make_run_dir(resume)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        (self.run_dir / "config.yaml").write_text(to_yaml(config))
         if resume:
-            self._resume()
+            self._resume()  # raises (and writes nothing) if the run has no usable checkpoint
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Written only now: a refused resume leaves the run's own config.yaml as it was.
+        write_text_atomic(self.run_dir / "config.yaml", to_yaml(config))
 
     # ================================ the algorithm ===================================
 
@@ -137,7 +141,7 @@ class SFTTrainer:
         if cfg.save_final:
             self.save(self.run_dir / "final")
         summary["wall_time_s"] = time.perf_counter() - start
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         print(f"[ragen sft] eval loss after: {after.get('eval/loss', float('nan')):.4f}  run dir: {self.run_dir}  "
               f"({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
@@ -194,7 +198,13 @@ class SFTTrainer:
             f.write(json.dumps(metrics) + "\n")
 
     def save(self, path: Path) -> None:
-        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors."""
+        """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors.
+
+        Atomic: written to a temp dir next to ``path`` that replaces it when complete.
+        """
+        write_dir_atomic(path, self._save_to)
+
+    def _save_to(self, path: Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         adapter_config = path / "adapter_config.json"
@@ -216,17 +226,31 @@ class SFTTrainer:
         truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
 
-    def _make_run_dir(self, resume: bool) -> Path:
+    #: What a run writes into its dir: a new (non-resume) run refuses a dir that holds any of them.
+    RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final")
+
+    def _check_run_dir(self, resume: bool) -> Path:
+        """The run dir; for a new run, ``FileExistsError`` naming the first :data:`RUN_FILES` entry it already holds.
+
+        Files of other names in the dir are left alone. The dir is created later, once the
+        model and data loaded.
+        """
         out = self.config.trainer.output_dir
         if not out:
             out = f"runs/sft-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             self.config.trainer.output_dir = out
         path = Path(out)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir")
         if resume:
+            if not path.is_dir():
+                raise FileNotFoundError(f"--resume {path}: no such run directory")
             return path
-        if (path / "metrics.jsonl").exists():
-            raise FileExistsError(f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir")
-        path.mkdir(parents=True, exist_ok=True)
+        for name in self.RUN_FILES:
+            if (path / name).exists() or (path / name).is_symlink():
+                hint = f" (`ragen sft train --resume {path}` continues the run there)" if (path / "checkpoints").is_dir() else ""
+                raise FileExistsError(f"trainer.output_dir {path} already holds {name}, which this run would overwrite; "
+                                      f"choose another trainer.output_dir{hint}")
         return path
 
 

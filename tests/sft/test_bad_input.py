@@ -144,3 +144,102 @@ def test_non_utf8_training_data_names_file_and_line(tmp_path, capsys):
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
     assert main(["sft", "train", str(path), *FAST, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
     one_error_line(capsys, f"{path}:2:", "UTF-8")
+
+
+# ---------------------------------------------------------------- 6. YAML configs
+
+@pytest.mark.parametrize("content,needle", [
+    (b"trainer: {max_steps: [1\n", "not valid YAML"),
+    (b"\x00\xff\xfe\x80binary", "UTF-8"),
+    (b"- 1\n- 2\n", "mapping"),
+    (b"5\n", "mapping"),
+    (b"trainer:\n  nope: 1\n", "trainer.nope"),
+    (b"optim:\n  betas: {a: 1}\n", "a mapping where it has a list"),
+])
+def test_bad_yaml_config_is_a_config_error_naming_the_file(content, needle, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_sft_config(str(path))
+    assert str(path) in str(info.value)
+    # The same file as a run's saved config: `--resume` exits 2 and leaves it as it was.
+    assert main(["sft", "train", "--resume", str(tmp_path)]) == 2
+    one_error_line(capsys, str(path), needle)
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.betas={a: 1}", "a mapping where it has a list"),
+    ("trainer.max_steps=[", "not valid YAML"),
+])
+def test_bad_override_value_names_the_override(override, needle):
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_sft_config(None, [override])
+    assert override in str(info.value)
+
+
+# ---------------------------------------------------------------- 2. --resume
+
+@pytest.fixture(scope="module")
+def checkpointed_run(data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sft_resume") / "run"
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=2", "trainer.save_freq=2",
+                 "trainer.save_final=false", f"trainer.output_dir={run}"]) == 0
+    return run
+
+
+def test_resume_refuses_result_changing_overrides_without_force(checkpointed_run, capsys):
+    config = (checkpointed_run / "config.yaml").read_bytes()
+    metrics = (checkpointed_run / "metrics.jsonl").read_bytes()
+    assert main(["sft", "train", "--resume", str(checkpointed_run), "seed=9", "optim.lr=0.3"]) == 2
+    one_error_line(capsys, "optim.lr", "seed", "--force")
+    assert (checkpointed_run / "config.yaml").read_bytes() == config
+    assert (checkpointed_run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resume_with_force_accepts_and_records_the_overrides(checkpointed_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(checkpointed_run, run)
+    assert main(["sft", "train", "--resume", str(run), "--force", "optim.lr=0.003", "trainer.max_steps=3"]) == 0
+    assert "lr: 0.003" in (run / "config.yaml").read_text()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_failed_resume_leaves_config_yaml_as_it_was(data, tmp_path, capsys):
+    run = tmp_path / "run"  # a run without a checkpoint: resume must fail
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=1", "trainer.save_final=false",
+                 f"trainer.output_dir={run}"]) == 0
+    config = (run / "config.yaml").read_bytes()
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=5"]) == 2  # a resume-safe key
+    one_error_line(capsys, "checkpoint")
+    assert (run / "config.yaml").read_bytes() == config
+
+
+# ---------------------------------------------------------------- 3. output dir
+
+@pytest.mark.parametrize("name", ["config.yaml", "summary.json", "final", "checkpoints"])
+def test_new_run_refuses_a_dir_holding_what_it_would_write(name, data, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    if name in ("final", "checkpoints"):
+        (out / name).mkdir()
+        (out / name / "weights.bin").write_text("mine")
+    else:
+        (out / name).write_text("mine")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=1", f"trainer.output_dir={out}"]) == 2
+    one_error_line(capsys, str(out), name, "another trainer.output_dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_new_run_in_a_dir_of_unrelated_files_keeps_them(data, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=1", "trainer.save_final=false",
+                 f"trainer.output_dir={out}"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "summary.json").is_file() and (out / "config.yaml").is_file()
+    assert no_temp_files(out)
