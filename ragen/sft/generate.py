@@ -30,7 +30,7 @@ from ragen.agent.parser import parse_response
 from ragen.agent.rollout import AgentSettings
 from ragen.config import RunConfig, load_config
 from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
-from ragen.sft.files import atomic_open
+from ragen.files import atomic_open
 from ragen.sft.rationale import explain
 
 #: Seeds of generated data are drawn below this bound, like training seeds: validation seeds

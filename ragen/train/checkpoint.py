@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ragen.files import write_text_atomic
 from ragen.train.fsdp import full_tensor, like
 from ragen.train.optimizer import IMPLEMENTATION_KEYS
 
@@ -101,15 +102,23 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
     return final
 
 
+#: What a checkpoint's ``state.json`` must hold.
+STATE_KEYS = ("step", "optimizer", "scheduler", "rng")
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint fully (raises on any missing or corrupt part)."""
     if not (path / COMPLETE).is_file():
         raise ValueError(f"{path} is incomplete (no {COMPLETE} marker)")
+    state = json.loads((path / "state.json").read_text())
+    missing = [key for key in STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise ValueError(f"{path / 'state.json'} lacks {missing[0]!r}")
     return {
         "params": load_file(path / "model.safetensors"),
         "optimizer_tensors": load_file(path / "optimizer.safetensors"),
         "rng_tensors": load_file(path / "rng.safetensors"),
-        "state": json.loads((path / "state.json").read_text()),
+        "state": state,
     }
 
 
@@ -148,10 +157,28 @@ def restore_latest(run_dir: Path, named_params: dict[str, torch.Tensor], optimiz
 
 
 def truncate_metrics(metrics_path: Path, last_step: int) -> None:
-    """Drop the lines of steps after ``last_step`` (lost with the killed process); keep the rest."""
+    """Drop the lines of steps after ``last_step`` (lost with the killed process); keep the rest.
+
+    A last line that does not parse is a write the kill cut short, and is dropped with the later steps;
+    any other line that does not parse (or has no ``step``) is an error naming the file and line, and
+    the file is left as it was.
+    """
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-    metrics_path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = record["step"]
+        except (ValueError, TypeError, KeyError):
+            if number == len(lines):  # cut short by the kill: the step it describes is not in the checkpoint
+                break
+            raise ValueError(f"{metrics_path}:{number}: not a metrics record (a JSON object with a 'step'); "
+                             "the run's metrics are damaged, so it is not resumed") from None
+        if step <= last_step:
+            kept.append(line)
+    write_text_atomic(metrics_path, "".join(line + "\n" for line in kept))  # a kill now leaves the old log whole
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor],

@@ -25,6 +25,7 @@ from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
+from ragen.files import write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.checkpointing import enable_checkpointing
@@ -46,6 +47,8 @@ CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
 
 #: Validation seeds start here; training seeds are drawn below it, so the two never overlap.
 VAL_SEED_BASE = 2**31
+#: What a run writes into its directory (besides ``metrics.jsonl``); a new run refuses a directory that has any.
+RUN_DIR_ENTRIES = ("config.yaml", "summary.json", "curves.png", "final", "checkpoints", "rollouts", "tensorboard", "wandb")
 
 
 class StarPOTrainer:
@@ -138,11 +141,11 @@ class StarPOTrainer:
 
             self.rollout_pool = RayRolloutPool(config)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        if self.is_main:
-            (self.run_dir / "config.yaml").write_text(to_yaml(config))
         if resume:
             self._resume()
             self.sync_rollout_weights()
+        if self.is_main:  # after a resume succeeded: a failed one leaves the run's config.yaml as it was
+            write_text_atomic(self.run_dir / "config.yaml", to_yaml(config))
         self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None) if self.is_main else []
         barrier()  # no rank writes the run dir before every rank has checked it
 
@@ -163,6 +166,13 @@ class StarPOTrainer:
             before = self.logged_validation(step=0)
             if before:
                 summary["val_before"] = before
+            if self.start_step >= cfg.trainer.total_steps:  # nothing left to run: keep the run's last validation
+                after = self.logged_validation(step=self.start_step)
+                if after:
+                    summary["val_after"] = after
+                if self.is_main:
+                    print(f"[ragen] the run is at step {self.start_step} of trainer.total_steps={cfg.trainer.total_steps}: "
+                          "no step left to run (raise trainer.total_steps to continue it)", flush=True)
 
         bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
@@ -170,6 +180,10 @@ class StarPOTrainer:
             # -- StarPO rollout stage: every group plays from its own seed ---------------
             trajectories = broadcast_object(self.rollout(step) if self.is_main else None)  # identical batch on every rank
             t1 = time.perf_counter()
+            failed = [t for t in trajectories if t.error]
+            if failed and self.is_main:  # the run goes on (those episodes train on nothing); the user is told why
+                bar.write(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
+                          f"(first: {failed[0].error.splitlines()[0]})")
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
             t2 = time.perf_counter()
@@ -223,7 +237,7 @@ class StarPOTrainer:
         summary["wall_time_s"] = time.perf_counter() - start
         if "val_after" in summary:
             self.report_validation("after training", summary["val_after"])
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         print(f"[ragen] run dir: {self.run_dir}  ({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
 
@@ -536,6 +550,8 @@ class StarPOTrainer:
             return str(plot_runs([self.run_dir])[0])
         except ImportError as exc:
             return f"not drawn: {exc}"
+        except ValueError as exc:  # e.g. every episode's env failed, so no plotted metric has a value
+            return f"not drawn: {exc}"
 
     def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
         """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL); rank 0 only."""
@@ -621,8 +637,17 @@ class StarPOTrainer:
         path = Path(out)
         if resume:
             return path
-        if (path / "metrics.jsonl").exists():
-            raise FileExistsError(f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir")
+        problem = None
+        if self.is_main:  # rank 0 looks before any rank writes; every rank raises the same error
+            if (path / "metrics.jsonl").exists():
+                problem = f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
+            elif taken := [name for name in RUN_DIR_ENTRIES if (path / name).exists()]:
+                # a run writes these: never over a user's own files of the same name
+                problem = (f"trainer.output_dir {path} already has {taken[0]!r}, which the run would overwrite; "
+                           "choose another trainer.output_dir")
+        problem = broadcast_object(problem)
+        if problem:
+            raise FileExistsError(problem)
         if self.is_main:
             path.mkdir(parents=True, exist_ok=True)
         return path
@@ -687,7 +712,11 @@ def seed_everything(seed: int) -> None:
 
 def fmt(metrics: dict[str, float]) -> str:
     keys = ("val/success", "val/reward_mean", "val/format_valid")
-    return "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
+    line = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
+    errors = int(metrics.get("val/env_errors", 0))
+    if errors:  # those episodes are left out of the numbers above
+        line += f"{'  ' if line else ''}env_errors={errors} of {errors + int(metrics.get('val/episodes', 0))} episodes"
+    return line
 
 
 def progress(total: int, enabled: bool, initial: int = 0):

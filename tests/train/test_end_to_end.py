@@ -91,3 +91,21 @@ def test_shared_prompt_pass_equals_the_plain_pass(tiny):
         assert torch.allclose(lp_a, lp_b, atol=tol), (precision, (lp_a - lp_b).abs().max())
         assert torch.allclose(ent_a, ent_b, atol=tol)
         assert (g_a - g_b).norm() / g_a.norm() < tol
+
+
+def test_a_run_whose_env_always_raises_reports_it_and_ends_cleanly(tmp_path, monkeypatch, capsys):
+    """An env that raises is reported, not fatal: each step says how many episodes failed and why, validation says
+    so, and with nothing to plot the run still writes its summary."""
+    from ragen.envs.bandit import BanditEnv
+
+    def broken_reset(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(BanditEnv, "reset", broken_reset)
+    assert main(["train", "bandit", "model=tiny", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}",
+                 "rollout.env_groups=2", "rollout.group_size=2", "trainer.val_episodes=2", "trainer.progress_bar=false"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1: 4 of 4 episodes ended with an env error (first: reset raised RuntimeError('boom'))" in out
+    assert "validation before training: env_errors=4 of 4 episodes" in out  # 2 episodes x 2 validation tags
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["plot"].startswith("not drawn: plot_runs: none of the plotted metrics found")

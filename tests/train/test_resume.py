@@ -69,6 +69,59 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     partial.mkdir()
     with pytest.warns(UserWarning, match="incomplete"):
         assert latest_checkpoint(run)[0].name == "step_000001"
+    # A checkpoint whose state.json lacks what a resume reads is skipped too (was a KeyError at restore).
+    shutil.rmtree(partial)
+    shutil.copytree(run / "checkpoints" / "step_000001", partial)
+    (partial / "state.json").write_text("{}")
+    with pytest.warns(UserWarning, match="lacks 'step'"):
+        assert latest_checkpoint(run)[0].name == "step_000001"
+
+
+def test_a_run_killed_mid_line_of_metrics_resumes_and_a_damaged_log_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=2", f"trainer.output_dir={run}", *ARGS]) == 0
+    shutil.rmtree(run / "checkpoints" / "step_000002")  # killed during step 2's log line, before its checkpoint
+    metrics = run / "metrics.jsonl"
+    whole = metrics.read_text()
+    lines = whole.splitlines()
+    metrics.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # no newline: cut short
+    assert main(["train", "--resume", str(run)]) == 0
+    assert [m["step"] for m in _metrics(run)] == [0, 1, 2]
+    # A line that does not parse before the last one is damage, not a cut-short write: refused, the log kept as is.
+    damaged = "\n".join([lines[0], "{not json", *lines[1:]]) + "\n"
+    metrics.write_text(damaged)
+    assert main(["train", "--resume", str(run), "trainer.total_steps=3"]) == 2
+    assert f"{metrics}:2: not a metrics record" in capsys.readouterr().err
+    assert metrics.read_text() == damaged
+
+
+def test_a_failed_resume_leaves_config_yaml_and_a_finished_run_keeps_its_summary(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={run}", *ARGS]) == 0
+    config, summary = (run / "config.yaml").read_text(), json.loads((run / "summary.json").read_text())
+    # Resuming the finished run: nothing to run, and the summary still has the run's last validation.
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "no step left to run" in capsys.readouterr().out
+    again = json.loads((run / "summary.json").read_text())
+    assert again["val_after"] == summary["val_after"] and again["val_before"] == summary["val_before"]
+    # A resume that fails (no checkpoint) does not rewrite config.yaml with its overrides.
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--resume", str(run), "--force", "seed=7", "trainer.total_steps=3"]) == 2
+    assert "no valid checkpoint" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == config
+
+
+def test_a_new_run_never_overwrites_files_it_would_write(tmp_path, capsys):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "config.yaml").write_text("mine")
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={out}", *ARGS]) == 2
+    assert "already has 'config.yaml', which the run would overwrite" in capsys.readouterr().err
+    assert (out / "config.yaml").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["config.yaml", "notes.txt"]
+    (out / "config.yaml").unlink()  # unrelated files are fine
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={out}", *ARGS]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_resume_refuses_result_changing_config_without_force(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Atomic writes for SFT outputs: a temp file or dir next to the target, then ``os.replace``.
+"""Atomic writes: a temp file or dir next to the target, then ``os.replace``.
 
 A failure (bad input found late, an exception, Ctrl-C) leaves the old file as it was and no
 partial new one; the temp name starts with ``.`` and ends in ``.tmp`` so no ``*.jsonl`` or
