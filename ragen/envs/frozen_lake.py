@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
-from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+from gymnasium.envs.toy_text.frozen_lake import is_valid
+from gymnasium.utils import seeding
 
 from ragen.envs.base import TextEnv, after_start_rng, build_config
 from ragen.envs.registry import register
@@ -34,6 +35,28 @@ TILES = {
     "X": Tile(_ICE, (_HOLE, Glyph("cross", (224, 49, 49), size=0.3, width=0.07))),
     "√": Tile(_ICE, (_GOAL, Glyph("disc", (47, 158, 68), size=0.2))),
 }
+
+
+#: Maps :func:`random_map` draws before giving up (each try is one board and one path search).
+MAP_TRIES = 10_000
+
+
+def random_map(size: int, p: float, seed: int) -> list[str]:
+    """gymnasium's ``generate_random_map(size, p, seed)``, the same maps draw for draw, but bounded.
+
+    Each try draws a ``size x size`` board of frozen (probability ``p``) and hole tiles from the seeded
+    generator, puts the start top-left and the goal bottom-right, and keeps it if a path joins them
+    (gymnasium's ``is_valid``). gymnasium tries forever, so a small ``p`` hung ``reset``; after
+    :data:`MAP_TRIES` boards this raises ``ValueError`` instead.
+    """
+    rng, _ = seeding.np_random(seed)
+    for _ in range(MAP_TRIES):
+        board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
+        board[0][0], board[-1][-1] = "S", "G"
+        if is_valid(board, size):
+            return ["".join(row) for row in board]
+    raise ValueError(f"frozen_lake: no {size}x{size} map with a path from start to goal in {MAP_TRIES} tries "
+                     f"at p={p} (the frozen-tile probability); raise p")
 
 
 @register("frozen_lake")
@@ -151,7 +174,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
         if given is None:
             # A child generator: the map is a function of the seed, and np_random's own stream is untouched.
             map_seed = int(self.np_random.spawn(1)[0].integers(2**32))
-            desc = generate_random_map(size=c.size, p=c.p, seed=map_seed)
+            desc = random_map(c.size, c.p, map_seed)
         else:
             desc = parse_map(given)
             space = _observation_space(len(desc), len(desc[0]))

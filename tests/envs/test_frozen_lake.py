@@ -362,3 +362,15 @@ def test_own_slip_draw_gives_each_group_member_its_own_reproducible_slips():
     assert episodes(ice, 3) == episodes(FrozenLakeEnv(size=5, is_slippery=False), 3)
     with pytest.raises(ValueError, match="options\\['group_member'\\] must be an int >= 0"):
         own.reset(seed=0, options={"group_member": "1"})
+
+
+def test_random_map_is_gymnasiums_map_and_gives_up_instead_of_hanging():
+    from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+    from ragen.envs.frozen_lake import MAP_TRIES, random_map
+
+    for size, p, seed in [(2, 0.8, 0), (4, 0.8, 1), (4, 0.5, 7), (6, 0.6, 3), (8, 0.8, 11), (5, 1.0, 2)]:
+        assert random_map(size, p, seed) == generate_random_map(size=size, p=p, seed=seed)
+    # gymnasium's loop never ends here (a path needs every tile of a 4x4 board's route frozen at p = 1e-4)
+    with pytest.raises(ValueError, match=f"no 4x4 map with a path from start to goal in {MAP_TRIES} tries at p=0.0001"):
+        FrozenLakeEnv(size=4, p=1e-4).reset(seed=0)
