@@ -44,6 +44,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         # ``ragen train --resume RUN_DIR [key=value ...]``: the positional may be an override.
         if preset and "=" in preset:
             overrides.insert(0, preset)
+        elif preset:
+            return _fail(f"--resume takes the run's own config.yaml; drop {preset!r} (give only key=value overrides)")
         run_dir = Path(args.resume)
         saved = run_dir / "config.yaml"
         if not saved.is_file():
@@ -101,6 +103,8 @@ def cmd_play(args: argparse.Namespace) -> int:
     if unknown:
         return _fail(f"play: unrecognized option {unknown[0]!r}")
     seed = known.seed if known.seed is not None else args.seed
+    if seed is not None and seed < 0:
+        return _fail(f"--seed must be >= 0 (got {seed})")
     try:
         main_play(args.env, overrides, seed)
     except ValueError as exc:
@@ -111,13 +115,18 @@ def cmd_play(args: argparse.Namespace) -> int:
 def cmd_view(args: argparse.Namespace) -> int:
     from ragen.viz.viewer import build_site, serve
 
+    if args.serve and not 0 <= args.port <= 65535:
+        return _fail(f"--port must be in 0..65535 (got {args.port})")
     try:
         index = build_site(args.run_dir, args.out)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # no run dir, or --out under a file / an existing file
         return _fail(str(exc))
     print(index)
     if args.serve:
-        serve(index.parent, args.port)
+        try:
+            serve(index.parent, args.port)
+        except OSError as exc:  # e.g. the port is in use
+            return _fail(f"cannot serve on port {args.port}: {exc.strerror or exc}")
     return 0
 
 
@@ -128,7 +137,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         paths = plot_runs(args.run_dirs, args.out)
     except ImportError as exc:
         return _fail(f"plotting needs matplotlib ({exc}); pip install matplotlib")
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # no metrics, or --out under a file
         return _fail(str(exc))
     for path in paths:
         print(path)
@@ -151,6 +160,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config.model = args.model  # set directly: a path or openai:NAME is not re-parsed as YAML
     if args.k < 0 or (args.n is not None and args.n < max(1, args.k)):
         return _fail(f"--k must be >= 0 and --n >= --k (got --k {args.k}, --n {args.n})")
+    if args.json and (Path(args.json).is_dir() or any(p.is_file() for p in Path(args.json).absolute().parents)):
+        return _fail(f"--json {args.json}: a directory, or under a file; give a file path")  # found before the eval runs
     _quiet_transformers()
     from ragen.eval.evaluate import evaluate, format_table
     from ragen.models import ModelLoadError
@@ -164,9 +175,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(f"model={args.model!r} could not be loaded: {exc}".splitlines()[0])
     print(format_table(report))
     if args.json:
+        from ragen.files import write_text_atomic
+
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(report, indent=2) + "\n")
         print(f"[ragen] wrote {out}")
     return 0
 

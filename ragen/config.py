@@ -496,6 +496,8 @@ def validate(config: RunConfig) -> None:
     need(config.rollout.reuse_kv_max_gb > 0, "rollout.reuse_kv_max_gb",
          "must be > 0 (rollout.reuse_kv=false keeps no caches at all)")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(len(config.optim.betas) == 2 and all(0 <= b < 1 for b in config.optim.betas), "optim.betas",
+         f"must be two numbers in [0, 1), AdamW's (beta1, beta2) (got {list(config.optim.betas)})")
     need(config.optim.trainable_layers >= 0, "optim.trainable_layers", "must be >= 0 (0 = every layer trains)")
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
     need(config.trainer.val_episodes >= 1, "trainer.val_episodes", "must be >= 1")

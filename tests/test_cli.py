@@ -19,6 +19,8 @@ from ragen.config import ConfigError, load_config
         ("rollout.reuse_kv_max_gb=0", "config key 'rollout.reuse_kv_max_gb': must be > 0"),
         ("rollout.max_episodes_in_flight=-1", "config key 'rollout.max_episodes_in_flight': must be >= 0"),
         ("trainer.precision=fp8", "config key 'trainer.precision'"),
+        ("optim.betas=[0.9]", "config key 'optim.betas': must be two numbers in [0, 1)"),
+        ("optim.betas=[0.9,1.5]", "config key 'optim.betas': must be two numbers in [0, 1)"),
         ("notakeyvalue", "is not key=value"),
     ],
 )
@@ -99,3 +101,39 @@ def test_an_override_that_is_not_yaml_or_the_wrong_kind_exits_2(override, messag
     assert main(["train", "bandit", "model=tiny", override]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bad_paths_ports_and_seeds_exit_2_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "model=tiny", "trainer.total_steps=0", "trainer.val_episodes=1",
+                 f"trainer.output_dir={run}", "trainer.progress_bar=false"]) == 0
+    capsys.readouterr()
+    cases = [
+        (["eval", "tiny", "bandit", "--json", str(tmp_path)], "a directory, or under a file"),
+        (["eval", "tiny", "bandit", "--json", str(blocker / "report.json")], "a directory, or under a file"),
+        (["plot", str(run), "--out", str(blocker / "curves.png")], "File exists"),
+        (["view", str(run), "--out", str(blocker)], "File exists"),
+        (["view", str(run), "--serve", "--port", "99999"], "--port must be in 0..65535"),
+        (["play", "bandit", "--seed", "-5"], "--seed must be >= 0"),
+        (["train", "--resume", str(run), "sokoban"], "--resume takes the run's own config.yaml; drop 'sokoban'"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert blocker.read_text() == "mine"
+
+
+def test_a_truncated_weights_file_is_a_model_load_error(tmp_path, capsys):
+    from ragen.models import load_model
+
+    model, tokenizer = load_model("tiny")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["eval", str(tmp_path), "bandit", "--k", "0", "trainer.val_episodes=1", "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert "its weights file is damaged" in err and "Traceback" not in err

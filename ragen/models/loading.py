@@ -73,7 +73,12 @@ def load_model(spec: str, *, seed: int = 0):
         with peft_quietly():
             model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        except Exception as exc:  # safetensors' SafetensorError (a truncated file) is no OSError or ValueError
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise ModelLoadError(f"model {spec!r}: its weights file is damaged ({exc})") from None
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
