@@ -340,13 +340,21 @@ def overrides_layer(overrides: list[str] | tuple[str, ...]) -> DictConfig:
         raise ConfigError(f"override {bad!r}: its value is not valid YAML" if bad else "an override's value is not valid YAML") from None
 
 
-def _wrong_container(schema: DictConfig, overrides: list[str] | tuple[str, ...], preset: str | None) -> str:
-    """The message for a list where the schema has a mapping (or the reverse): the override that does it, else the file."""
+def _culprit_override(schema: DictConfig, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The first ``key=value`` override that fails to merge into the schema on its own (None: the file's fault)."""
     for item in overrides:
         try:
-            OmegaConf.merge(schema, OmegaConf.from_dotlist([item]))
+            OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist([item])))
         except (TypeError, OmegaConfBaseException):
-            return f"override {item!r}: a list where the config has a mapping, or a mapping where it has a list"
+            return item
+    return None
+
+
+def _wrong_container(schema: DictConfig, overrides: list[str] | tuple[str, ...], preset: str | None) -> str:
+    """The message for a list where the schema has a mapping (or the reverse): the override that does it, else the file."""
+    culprit = _culprit_override(schema, overrides)
+    if culprit:
+        return f"override {culprit!r}: a list where the config has a mapping, or a mapping where it has a list"
     return f"config file {preset}: a list where the config has a mapping, or a mapping where it has a list"
 
 
@@ -380,7 +388,11 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         merged = OmegaConf.merge(schema, *layers)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(_friendly(exc)) from None
+        message = _friendly(exc)
+        culprit = _culprit_override(schema, overrides)
+        if culprit and not message.startswith(f"config key '{culprit.split('=', 1)[0].strip()}"):
+            message = f"override {culprit!r}: {message}"  # e.g. a field inside a list item, named without its path
+        raise ConfigError(message) from None
     except TypeError:  # OmegaConf cannot merge a list into a mapping section (or the other way round)
         raise ConfigError(_wrong_container(schema, overrides, preset)) from None
     _reject_overrides_es_train_ignores(config, overrides)

@@ -77,6 +77,18 @@ def preset_settings(env_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict((data.get("env") or {}).get("config") or {}), dict(data.get("agent") or {})
 
 
+def typed_settings(agent: dict[str, Any]) -> AgentSettings:
+    """``AgentSettings`` from ``agent``, each value checked against its field's type (``"3"`` becomes 3);
+    ``ValueError`` naming the ``agent.KEY`` whose value does not fit."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AgentSettings), agent))
+    except OmegaConfBaseException as exc:
+        raise ValueError(f"agent.{exc.key}: {str(exc).splitlines()[0]}") from None
+
+
 def split_answer(text: str, action_sep: str) -> list[str]:
     """Action strings of a typed answer: the ``<answer>`` block's content if present, else the whole line."""
     found = _ANSWER.findall(text)
@@ -101,7 +113,7 @@ def play(
     """
     agent = dict(agent or {})
     agent.setdefault("max_turn", DEFAULT_MAX_TURN)  # a person plays until the env ends the episode
-    settings = AgentSettings(**agent)
+    settings = typed_settings(agent)
     if settings.max_turn < 1 or settings.max_actions_per_turn < 1:
         raise ValueError("agent.max_turn and agent.max_actions_per_turn must be >= 1")
     env = ragen.envs.make(env_name, **(cfg or {}))

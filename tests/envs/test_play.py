@@ -81,6 +81,9 @@ def test_eof_and_quit_exit_cleanly_and_overrides_parse_as_yaml():
         parse_overrides(["oops"])
     with pytest.raises(ValueError, match="unknown agent setting"):
         parse_overrides(["agent.bogus=1"])
+    # a value of the wrong type names its key (was "'<' not supported between 'str' and 'int'")
+    with pytest.raises(ValueError, match="agent.max_turn: Value 'abc' of type 'str' could not be converted to Integer"):
+        play("bandit", seed=0, input_fn=scripted([]), print_fn=print_fn, agent={"max_turn": "abc"})
     assert split_answer("<think>x</think><answer> Up || Left </answer>", "||") == ["Up", "Left"]
     assert split_answer("Up</answer>", "||") == ["Up"]
 

@@ -47,6 +47,8 @@ def test_required_presets_exist():
         (["es.tags={Mine: {env: bandit, colour: red}}"], "es.tags.Mine.colour"),
         (["es.train=[{tag: Bandit, groups: 0}]"], "es.train[0].groups"),
         (["es.val=[{tag: Bandit, episodes: -1}]"], "es.val[0].episodes"),
+        # a wrong type inside a list item: OmegaConf names only 'episodes', so the override is named too
+        (["es.val=[{tag: Bandit, episodes: x}]"], "override 'es.val=[{tag: Bandit, episodes: x}]': config key 'episodes'"),
         (["es.train=[{tag: Bandit, groups: 1}, {tag: Bandit, groups: 2}]"], "env tag 'Bandit' is listed twice"),
         (["agent.think_reward=0.1", "agent.enable_think=false"], "agent.think_reward"),
     ],
