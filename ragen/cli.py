@@ -50,6 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = run_dir / "config.yaml"
         if not saved.is_file():
             return _fail(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        if not saved.read_bytes().strip():  # read as the defaults, it would resume another model's run
+            return _fail(f"--resume {run_dir}: its config.yaml is empty (the run dir is damaged)")
         preset = str(saved)
         overrides.append(f"trainer.output_dir={run_dir}")
     elif not preset:
@@ -152,6 +154,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     preset = args.env
     if Path(preset).is_dir() and (Path(preset) / "config.yaml").is_file():  # a run dir: its own config
         preset = str(Path(preset) / "config.yaml")
+        if not Path(preset).read_bytes().strip():
+            return _fail(f"{preset} is empty (the run dir is damaged); give the env or YAML config instead")
     try:
         config = load_config(preset, args.overrides)
     except ConfigError as exc:

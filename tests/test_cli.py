@@ -1,5 +1,6 @@
 """The ``ragen`` command: config errors exit 2 naming the key; ``ragen envs`` lists envs."""
 
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,11 @@ def test_bad_paths_ports_and_seeds_exit_2_before_any_work(tmp_path, capsys):
         (["play", "bandit", "--seed", "-5"], "--seed must be >= 0"),
         (["train", "--resume", str(run), "sokoban"], "--resume takes the run's own config.yaml; drop 'sokoban'"),
     ]
+    empty = tmp_path / "empty_config_run"
+    shutil.copytree(run, empty)
+    (empty / "config.yaml").write_text("")
+    cases += [(["train", "--resume", str(empty)], "its config.yaml is empty"),
+              (["eval", "tiny", str(empty)], "config.yaml is empty (the run dir is damaged)")]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
