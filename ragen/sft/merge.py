@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ragen.files import write_dir_atomic
 from ragen.models.loading import ModelLoadError, adapter_base, resolve_model_path
 
 
@@ -32,14 +33,19 @@ def merge_adapter(spec: str | Path, out: str | Path) -> dict:
     out = Path(out)
     if (out / "config.json").is_file():
         raise ModelLoadError(f"--out {out} already holds a model (config.json); choose another directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelLoadError(f"--out {out} exists and is not an empty directory; choose a new one")
     base_spec, base_seed = adapter_base(path)
     base, _ = load_model(base_spec, seed=base_seed)
     with peft_quietly():
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+
+    def write(directory: Path) -> None:
+        merged.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+
+    write_dir_atomic(out, write)  # built next to it, then swapped in: a failure leaves no half-written model
     return {"adapter": str(path), "base": base_spec, "out": str(out)}
 
 

@@ -62,7 +62,13 @@ def test_lora_merge_gives_the_adapter_model_logits(data, tmp_path):
     adapter = json.loads((run / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "tiny"
     out = tmp_path / "merged"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert main(["sft", "merge", str(run), "--out", str(busy)]) == 2  # a directory with files: refused, kept
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
     assert main(["sft", "merge", str(run), "--out", str(out)]) == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
 
     merged = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers alone, no ragen, no peft
     tokenizer = AutoTokenizer.from_pretrained(out)
