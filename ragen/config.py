@@ -340,19 +340,26 @@ def overrides_layer(overrides: list[str] | tuple[str, ...]) -> DictConfig:
         raise ConfigError(f"override {bad!r}: its value is not valid YAML" if bad else "an override's value is not valid YAML") from None
 
 
-def _culprit_override(schema: DictConfig, overrides: list[str] | tuple[str, ...]) -> str | None:
-    """The first ``key=value`` override that fails to merge into the schema on its own (None: the file's fault)."""
-    for item in overrides:
-        try:
-            OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist([item])))
-        except (TypeError, OmegaConfBaseException):
-            return item
-    return None
+def _merge_fails(schema: DictConfig, *layers: DictConfig) -> bool:
+    try:
+        OmegaConf.to_object(OmegaConf.merge(schema, *layers))
+        return False
+    except (TypeError, OmegaConfBaseException):
+        return True
 
 
-def _wrong_container(schema: DictConfig, overrides: list[str] | tuple[str, ...], preset: str | None) -> str:
+def _culprit_override(schema: DictConfig, files: list[DictConfig], overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The first ``key=value`` override that fails to merge on top of the schema and the file layers, each on its own;
+    None when the file layers fail without any override (the file's fault) or no single override fails."""
+    if _merge_fails(schema, *files):
+        return None
+    return next((item for item in overrides if _merge_fails(schema, *files, OmegaConf.from_dotlist([item]))), None)
+
+
+def _wrong_container(schema: DictConfig, files: list[DictConfig], overrides: list[str] | tuple[str, ...],
+                     preset: str | None) -> str:
     """The message for a list where the schema has a mapping (or the reverse): the override that does it, else the file."""
-    culprit = _culprit_override(schema, overrides)
+    culprit = _culprit_override(schema, files, overrides)
     if culprit:
         return f"override {culprit!r}: a list where the config has a mapping, or a mapping where it has a list"
     return f"config file {preset}: a list where the config has a mapping, or a mapping where it has a list"
@@ -383,18 +390,21 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
+    files = list(layers)  # the preset or YAML file (for error messages)
     try:
         layers.append(overrides_layer(overrides))
         merged = OmegaConf.merge(schema, *layers)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         message = _friendly(exc)
-        culprit = _culprit_override(schema, overrides)
+        culprit = _culprit_override(schema, files, overrides)
         if culprit and not message.startswith(f"config key '{culprit.split('=', 1)[0].strip()}"):
             message = f"override {culprit!r}: {message}"  # e.g. a field inside a list item, named without its path
+        elif culprit is None and preset and Path(preset).suffix and _merge_fails(schema, *files):
+            message = f"config file {preset}: {message}"
         raise ConfigError(message) from None
     except TypeError:  # OmegaConf cannot merge a list into a mapping section (or the other way round)
-        raise ConfigError(_wrong_container(schema, overrides, preset)) from None
+        raise ConfigError(_wrong_container(schema, files, overrides, preset)) from None
     _reject_overrides_es_train_ignores(config, overrides)
     validate(config)
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
@@ -589,5 +599,19 @@ def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
 
 
+#: First line of every ``config.yaml`` a run writes: a YAML comment, so the file loads the same, but it tells a
+#: run's own file from a user's (:func:`written_by_ragen`).
+RUN_CONFIG_HEADER = "# ragen: this run's resolved config, written when the run started\n"
+
+
+def written_by_ragen(path: str | Path) -> bool:
+    """Whether ``path`` is a ``config.yaml`` a ragen run wrote (its first line is :data:`RUN_CONFIG_HEADER`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline() == RUN_CONFIG_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def to_yaml(config: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    return RUN_CONFIG_HEADER + OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -143,3 +143,11 @@ def test_a_truncated_weights_file_is_a_model_load_error(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "bandit", "--k", "0", "trainer.val_episodes=1", "--no-baselines"]) == 2
     err = capsys.readouterr().err
     assert "its weights file is damaged" in err and "Traceback" not in err
+
+
+def test_a_files_type_error_is_blamed_on_the_file_not_on_an_override(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  total_steps: abc\n")
+    assert main(["train", str(path), "model=tiny", "optim.lr=1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {path}: config key 'trainer.total_steps'" in err and "override" not in err

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import ConfigError, LoraConfig, _friendly, load_yaml_mapping, overrides_layer
+from ragen.config import RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, load_yaml_mapping, overrides_layer
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
@@ -202,7 +202,7 @@ def validate(config: SFTConfig) -> None:
 
 
 def to_yaml(config: SFTConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    return RUN_CONFIG_HEADER + OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
 __all__ = ["SFTConfig", "SFTDataConfig", "SFTOptimConfig", "SFTTrainerConfig", "load_sft_config", "validate", "to_yaml",

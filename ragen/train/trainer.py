@@ -22,7 +22,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
 from ragen.algos.losses import kl_penalty, value_loss
-from ragen.config import RunConfig, to_yaml
+from ragen.config import RunConfig, to_yaml, written_by_ragen
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import write_text_atomic
@@ -623,10 +623,17 @@ class StarPOTrainer:
     def _resume(self) -> None:
         path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
                                                self.scheduler, self.seed_rng)
-        if not self.is_main:
-            return
-        truncate_metrics(self.metrics_path, self.start_step)
-        print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
+        problem = None
+        if self.is_main:
+            try:
+                truncate_metrics(self.metrics_path, self.start_step)
+            except ValueError as exc:  # a damaged log: every rank stops (the others would wait at the next barrier)
+                problem = str(exc)
+        problem = broadcast_object(problem)
+        if problem:
+            raise ValueError(problem)
+        if self.is_main:
+            print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
 
     def _make_run_dir(self, resume: bool) -> Path:
         out = self.config.trainer.output_dir
@@ -641,7 +648,9 @@ class StarPOTrainer:
         if self.is_main:  # rank 0 looks before any rank writes; every rank raises the same error
             if (path / "metrics.jsonl").exists():
                 problem = f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
-            elif taken := [name for name in RUN_DIR_ENTRIES if (path / name).exists()]:
+            elif (taken := [name for name in RUN_DIR_ENTRIES if (path / name).exists()]) and not (
+                    taken == ["config.yaml"] and written_by_ragen(path / "config.yaml")):
+                # (a config.yaml alone that ragen wrote is a run that stopped before it logged a step: start it over)
                 # a run writes these: never over a user's own files of the same name
                 problem = (f"trainer.output_dir {path} already has {taken[0]!r}, which the run would overwrite; "
                            "choose another trainer.output_dir")

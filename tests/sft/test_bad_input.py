@@ -243,3 +243,10 @@ def test_new_run_in_a_dir_of_unrelated_files_keeps_them(data, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "summary.json").is_file() and (out / "config.yaml").is_file()
     assert no_temp_files(out)
+    # A run that stopped before it logged anything left only its own config.yaml: the same command starts it over.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "config.yaml").write_text((out / "config.yaml").read_text())
+    assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=1", "trainer.save_final=false",
+                 f"trainer.output_dir={crashed}"]) == 0
+    assert (crashed / "summary.json").is_file()

@@ -122,6 +122,14 @@ def test_a_new_run_never_overwrites_files_it_would_write(tmp_path, capsys):
     (out / "config.yaml").unlink()  # unrelated files are fine
     assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={out}", *ARGS]) == 0
     assert (out / "notes.txt").read_text() == "mine"
+    # A run that stopped before it logged anything left only its own config.yaml (ragen's header line): the same
+    # command starts it over there instead of refusing the dir it made.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "config.yaml").write_text((out / "config.yaml").read_text())
+    assert (out / "config.yaml").read_text().startswith("# ragen: this run's resolved config")
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={crashed}", *ARGS]) == 0
+    assert (crashed / "metrics.jsonl").is_file()
 
 
 def test_resume_refuses_result_changing_config_without_force(tmp_path, capsys):
