@@ -338,6 +338,15 @@ def overrides_layer(overrides: list[str] | tuple[str, ...]) -> DictConfig:
     except yaml.YAMLError:
         bad = next((item for item in overrides if _bad_yaml_value(item)), None)
         raise ConfigError(f"override {bad!r}: its value is not valid YAML" if bad else "an override's value is not valid YAML") from None
+    except (ValueError, TypeError, OmegaConfBaseException):  # e.g. es.val=[...] then es.val.tag=x: a list has no key 'tag'
+        layer = OmegaConf.create()
+        for item in overrides:  # the first override that cannot go on top of the ones before it
+            try:
+                layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
+            except (ValueError, TypeError, OmegaConfBaseException):
+                raise ConfigError(f"override {item!r} does not fit the overrides before it (a key into a list, "
+                                  "or a list where they made a mapping)") from None
+        raise
 
 
 def _merge_fails(schema: DictConfig, *layers: DictConfig) -> bool:

@@ -97,9 +97,10 @@ def test_a_broken_yaml_config_exits_2_naming_the_file(content, message, tmp_path
 @pytest.mark.parametrize("override, message", [
     ("trainer.total_steps=[1", "override 'trainer.total_steps=[1': its value is not valid YAML"),
     ("es.tags=[1]", "override 'es.tags=[1]': a list where the config has a mapping"),
+    ("es.val.tag=x", "override 'es.val.tag=x' does not fit the overrides before it"),  # after es.val=[...] below
 ])
 def test_an_override_that_is_not_yaml_or_the_wrong_kind_exits_2(override, message, capsys):
-    assert main(["train", "bandit", "model=tiny", override]) == 2
+    assert main(["train", "bandit", "model=tiny", "es.val=[{tag: Bandit}]", override]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
