@@ -144,6 +144,12 @@ def test_a_truncated_weights_file_is_a_model_load_error(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "bandit", "--k", "0", "trainer.val_episodes=1", "--no-baselines"]) == 2
     err = capsys.readouterr().err
     assert "its weights file is damaged" in err and "Traceback" not in err
+    # the same for an emptied tokenizer.json
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("")
+    assert main(["eval", str(tmp_path), "bandit", "--k", "0", "trainer.val_episodes=1", "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert "a tokenizer file in" in err and "is not valid JSON" in err and "Traceback" not in err
 
 
 def test_a_files_type_error_is_blamed_on_the_file_not_on_an_override(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ragen.models.embedded import EMBEDDED_NAME, embedded_model_dir
@@ -79,7 +80,10 @@ def load_model(spec: str, *, seed: int = 0):
             if type(exc).__name__ != "SafetensorError":
                 raise
             raise ModelLoadError(f"model {spec!r}: its weights file is damaged ({exc})") from None
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except json.JSONDecodeError as exc:  # e.g. an empty or cut-short tokenizer.json
+        raise ModelLoadError(f"model {spec!r}: a tokenizer file in {path} is not valid JSON ({exc})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
