@@ -371,7 +371,9 @@ def _wrong_container(schema: DictConfig, files: list[DictConfig], overrides: lis
     culprit = _culprit_override(schema, files, overrides)
     if culprit:
         return f"override {culprit!r}: a list where the config has a mapping, or a mapping where it has a list"
-    return f"config file {preset}: a list where the config has a mapping, or a mapping where it has a list"
+    if preset and files:
+        return f"config file {preset}: a list where the config has a mapping, or a mapping where it has a list"
+    return "an override puts a list where the config has a mapping, or a mapping where it has a list"
 
 
 def _bad_yaml_value(item: str) -> bool:
@@ -588,23 +590,24 @@ RESUME_SAFE_KEYS = {
 }
 
 
+def flat_config(config: Any) -> dict[str, Any]:
+    """A structured config (``RunConfig``, ``SFTConfig``) as ``{dotted key: leaf value}``."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(OmegaConf.structured(config)), "")
+    return out
+
+
 def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
     """Dotted keys whose values differ between two configs, ignoring :data:`RESUME_SAFE_KEYS`."""
-
-    def flat(cfg: RunConfig) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-
-        def walk(node: Any, prefix: str) -> None:
-            if isinstance(node, dict):
-                for k, v in node.items():
-                    walk(v, f"{prefix}{k}.")
-            else:
-                out[prefix[:-1]] = node
-
-        walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
-        return out
-
-    a, b = flat(old), flat(new)
+    a, b = flat_config(old), flat_config(new)
     return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
 
 
@@ -620,6 +623,18 @@ def written_by_ragen(path: str | Path) -> bool:
             return f.readline() == RUN_CONFIG_HEADER
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def taken_run_entries(run_dir: Path, entries: tuple[str, ...]) -> list[str]:
+    """Of ``entries`` (what a run writes into its dir), those ``run_dir`` already holds, in order.
+
+    A ``config.yaml`` that ragen wrote, alone, does not count: that run stopped before it logged a
+    step, and a new run starts it over (``docs/design.md``, "A run owns the files it writes").
+    """
+    taken = [name for name in entries if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    if taken == ["config.yaml"] and written_by_ragen(run_dir / "config.yaml"):
+        return []
+    return taken
 
 
 def to_yaml(config: RunConfig) -> str:

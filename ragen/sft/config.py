@@ -14,7 +14,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, load_yaml_mapping, overrides_layer
+from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, flat_config,
+                          load_yaml_mapping, overrides_layer)
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
@@ -95,16 +96,6 @@ class SFTConfig:
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
 
-def _wrong_container(schema, overrides: list[str] | tuple[str, ...]) -> str:
-    """The message for a list where the schema has a mapping (or the reverse), naming the override that does it."""
-    for item in overrides:
-        try:
-            OmegaConf.merge(schema, OmegaConf.from_dotlist([item]))
-        except (TypeError, OmegaConfBaseException):
-            return f"override {item!r}: a list where the config has a mapping, or a mapping where it has a list"
-    return "an override puts a list where the config has a mapping, or a mapping where it has a list"
-
-
 def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                     check: bool = True) -> SFTConfig:
     """Defaults ← optional YAML ← ``key=value`` overrides, validated; returns an :class:`SFTConfig`.
@@ -136,7 +127,7 @@ def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[s
     except OmegaConfBaseException as exc:
         raise ConfigError(_friendly(exc)) from None
     except TypeError:
-        raise ConfigError(_wrong_container(schema, overrides)) from None
+        raise ConfigError(_wrong_container(schema, [], overrides, None)) from None  # the file merged above
     if check:
         validate(config)
     return config
@@ -156,16 +147,7 @@ def result_changing_differences(old: SFTConfig, new: SFTConfig) -> list[str]:
     """Dotted keys whose values differ between two SFT configs, ignoring :data:`RESUME_SAFE_KEYS`."""
 
     def flat(config: SFTConfig) -> dict:
-        out: dict = {}
-
-        def walk(node, prefix: str) -> None:
-            if isinstance(node, dict):
-                for k, v in node.items():
-                    walk(v, f"{prefix}{k}.")
-            else:
-                out[prefix[:-1]] = node
-
-        walk(OmegaConf.to_container(OmegaConf.structured(config)), "")
+        out = flat_config(config)
         if out.get("trainer.precision") in PRECISIONS and check_device_spec(out.get("trainer.device")) is None:
             out["trainer.precision"] = resolve_precision(out["trainer.precision"], out["trainer.device"])
         return out

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragen.config import written_by_ragen
+from ragen.config import taken_run_entries
 from ragen.models import apply_lora, autocast, load_model
 from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
@@ -247,13 +247,11 @@ class SFTTrainer:
             if not path.is_dir():
                 raise FileNotFoundError(f"--resume {path}: no such run directory")
             return path
-        taken = [name for name in self.RUN_FILES if (path / name).exists() or (path / name).is_symlink()]
-        if taken == ["config.yaml"] and written_by_ragen(path / "config.yaml"):
-            return path  # a run's own config.yaml alone: it stopped before it logged anything, start it over
-        for name in taken:
-                hint = f" (`ragen sft train --resume {path}` continues the run there)" if (path / "checkpoints").is_dir() else ""
-                raise FileExistsError(f"trainer.output_dir {path} already holds {name}, which this run would overwrite; "
-                                      f"choose another trainer.output_dir{hint}")
+        taken = taken_run_entries(path, self.RUN_FILES)
+        if taken:
+            hint = f" (`ragen sft train --resume {path}` continues the run there)" if (path / "checkpoints").is_dir() else ""
+            raise FileExistsError(f"trainer.output_dir {path} already holds {taken[0]}, which this run would overwrite; "
+                                  f"choose another trainer.output_dir{hint}")
         return path
 
 

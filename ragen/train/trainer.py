@@ -22,7 +22,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
 from ragen.algos.losses import kl_penalty, value_loss
-from ragen.config import RunConfig, to_yaml, written_by_ragen
+from ragen.config import RunConfig, taken_run_entries, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import write_text_atomic
@@ -648,10 +648,7 @@ class StarPOTrainer:
         if self.is_main:  # rank 0 looks before any rank writes; every rank raises the same error
             if (path / "metrics.jsonl").exists():
                 problem = f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
-            elif (taken := [name for name in RUN_DIR_ENTRIES if (path / name).exists()]) and not (
-                    taken == ["config.yaml"] and written_by_ragen(path / "config.yaml")):
-                # (a config.yaml alone that ragen wrote is a run that stopped before it logged a step: start it over)
-                # a run writes these: never over a user's own files of the same name
+            elif taken := taken_run_entries(path, RUN_DIR_ENTRIES):  # never over a user's own files of these names
                 problem = (f"trainer.output_dir {path} already has {taken[0]!r}, which the run would overwrite; "
                            "choose another trainer.output_dir")
         problem = broadcast_object(problem)
