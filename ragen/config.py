@@ -586,7 +586,9 @@ RESUME_SAFE_KEYS = {
     "trainer.total_steps", "trainer.progress_bar", "trainer.log_rollouts_freq", "trainer.log_rollouts_n",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.output_dir", "trainer.num_threads",
     "trainer.logger", "trainer.plot", "trainer.fsdp",
-    "trainer.gradient_checkpointing",  # same results up to float rounding; the fix after an OOM kill
+    # same results up to float rounding (tests/models/test_checkpointing.py, tests/train/test_micro_batches.py):
+    # the fixes after an OOM kill
+    "trainer.gradient_checkpointing", "algorithm.micro_batch_size",
 }
 
 

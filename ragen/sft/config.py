@@ -139,7 +139,9 @@ RESUME_SAFE_KEYS = {
     "trainer.max_steps", "trainer.epochs", "trainer.progress_bar", "trainer.eval_freq", "trainer.output_dir",
     "trainer.save_freq", "trainer.keep_checkpoints", "trainer.max_time_s", "trainer.save_final",
     "trainer.num_threads",
-    "trainer.gradient_checkpointing",  # same results up to float rounding; the fix after an OOM kill
+    # same results up to float rounding (tests/models/test_checkpointing.py, tests/sft/test_train.py): the fixes
+    # after an OOM kill
+    "trainer.gradient_checkpointing", "trainer.micro_batch_size",
 }
 
 

@@ -104,6 +104,25 @@ def test_resume_continues_exactly(data, tmp_path):
     assert losses(split) == losses(straight)
 
 
+def test_the_micro_batch_size_changes_only_rounding_so_resume_accepts_it(data, tmp_path):
+    """Each micro-batch's summed NLL is divided by the whole batch's token count, so 4 conversations in one pass
+    or in four give the same loss and gradient (fp32 rounding). The usual fix after an OOM kill, a smaller
+    ``trainer.micro_batch_size``, is therefore allowed on ``--resume`` without ``--force``."""
+    common = [str(data), *FAST, "trainer.precision=fp32", "optim.lr=1e-3", "optim.warmup_steps=0",
+              "trainer.save_freq=1", "trainer.save_final=false"]
+    whole, single = tmp_path / "whole", tmp_path / "single"
+    assert main(["sft", "train", *common, "trainer.max_steps=2", "trainer.micro_batch_size=4", f"trainer.output_dir={whole}"]) == 0
+    assert main(["sft", "train", *common, "trainer.max_steps=1", "trainer.micro_batch_size=1", f"trainer.output_dir={single}"]) == 0
+    assert main(["sft", "train", "--resume", str(single), "trainer.max_steps=2", "trainer.micro_batch_size=2"]) == 0
+    a, b = metrics(whole), metrics(single)
+    assert [m["step"] for m in b] == [0, 1, 2]
+    assert b[1]["train/tokens"] == a[1]["train/tokens"] > 0
+    for key in ("train/loss", "train/grad_norm"):  # step 1: the same weights, the batch in 1 or 4 passes
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5), key
+    assert b[2]["train/loss"] == pytest.approx(a[2]["train/loss"], rel=1e-3)  # after one AdamW step on either
+    assert b[0]["eval/loss"] == pytest.approx(a[0]["eval/loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("args,key", [
     (["trainer.nope=1"], "trainer.nope"),
     (["trainer.max_steps=abc"], "trainer.max_steps"),
