@@ -67,6 +67,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     note_lost_env_settings(config)
     _quiet_transformers()
     from ragen.models import ModelLoadError
+
+    if args.print_config:  # check what start-up checks, print the resolved config, run nothing
+        from ragen.config import to_yaml
+        from ragen.train.preflight import preflight
+
+        try:
+            preflight(config, resume=bool(args.resume))
+        except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
+            return _fail(str(exc))
+        print(to_yaml(config), end="")
+        return 0
     from ragen.train.trainer import StarPOTrainer
 
     try:
@@ -198,10 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragen", description="Train LLM agents with multi-turn RL (StarPO).")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a policy with StarPO on an env preset or a YAML config")
-    train.add_argument("preset", nargs="?", help="env preset name (see ragen/configs/) or a YAML config path")
+    train.add_argument("preset", nargs="?", help="a preset (ragen/configs/), a registered env name (`ragen envs`) or a YAML config path")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=20 model=tiny")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
     train.add_argument("--force", action="store_true", help="with --resume: accept overrides that change results")
+    train.add_argument("--print-config", action="store_true",
+                       help="check the config as a run's start-up does (envs built, model found, output dir free), "
+                            "print it as the run's config.yaml would record it, and exit without training")
     train.set_defaults(func=cmd_train)
     envs = sub.add_parser("envs", help="list registered envs and their config knobs")
     envs.set_defaults(func=cmd_envs)

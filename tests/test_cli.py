@@ -158,3 +158,44 @@ def test_a_files_type_error_is_blamed_on_the_file_not_on_an_override(tmp_path, c
     assert main(["train", str(path), "model=tiny", "optim.lr=1e-5"]) == 2
     err = capsys.readouterr().err
     assert f"config file {path}: config key 'trainer.total_steps'" in err and "override" not in err
+
+
+def test_print_config_checks_and_prints_the_run_s_config_without_running(tmp_path, capsys, monkeypatch):
+    import ragen.models.loading
+    import ragen.train.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--print-config loaded a model")
+
+    monkeypatch.setattr(ragen.models.loading, "load_model", no_model)
+    monkeypatch.setattr(ragen.train.trainer, "load_model", no_model)
+    monkeypatch.chdir(tmp_path)  # an empty trainer.output_dir would become runs/NAME-TIME here
+    out = tmp_path / "run"
+    argv = ["train", "bandit", "model=tiny", "trainer.total_steps=3", "es.tags.Bandit.config.own_payoff_draw=false",
+            f"trainer.output_dir={out}"]
+    assert main([*argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# ragen: this run's resolved config")
+    assert list(tmp_path.iterdir()) == []  # nothing written: no run dir, no runs/
+    # What it prints is the config the run would record, and reads back as that same config.
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_config(str(tmp_path / "printed.yaml")) == load_config("bandit", argv[2:])
+    assert "total_steps: 3" in printed and "own_payoff_draw: false" in printed
+
+
+@pytest.mark.parametrize("override, message", [
+    ("env.config.arm_order=sideways", "arm_order"),  # rejected by the env itself, when it is built
+    ("algorithm.policy_loss=nope", "nope"),
+    ("model=/nowhere", "is not a model"),
+    ("trainer.device=cuda:99", "trainer.device"),  # no GPU, or past the visible ones
+])
+def test_print_config_stops_on_what_a_run_would_stop_on_at_start_up(override, message, tmp_path, capsys):
+    assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path / 'run'}", override, "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "summary.json").write_text("mine")
+    assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={taken}", "--print-config"]) == 2
+    assert "already has 'summary.json'" in capsys.readouterr().err

@@ -166,13 +166,7 @@ class RayRolloutPool:
     """
 
     def __init__(self, config: RunConfig):
-        try:
-            import ray
-        except ImportError:  # a config error (one line, exit 2), not a bare ModuleNotFoundError
-            raise ConfigError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from None
-        if config.rollout.engine != "hf":
-            raise ConfigError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
-        self.ray = ray
+        ray = self.ray = self.check(config)
         self.config = config
         r = config.rollout
         n_groups = sum(s.count for s in train_sets(config))
@@ -183,6 +177,17 @@ class RayRolloutPool:
         self.workers = [self._spawn(i) for i in range(len(self.ranges))]
         self.restarts = 0
         ray.get([w.ping.remote() for w in self.workers])  # constructor errors surface here, not mid-training
+
+    @staticmethod
+    def check(config: RunConfig):
+        """Raise :class:`ConfigError` (one line, exit 2) unless this config can run on Ray here; returns ``ray``."""
+        try:
+            import ray
+        except ImportError:  # a config error, not a bare ModuleNotFoundError
+            raise ConfigError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from None
+        if config.rollout.engine != "hf":
+            raise ConfigError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
+        return ray
 
     def _spawn(self, index: int):
         return self.actor.remote(self.config, index, *self.ranges[index], *self.val_ranges[index])

@@ -22,7 +22,7 @@ import torch
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
 from ragen.algos.losses import kl_penalty, value_loss
-from ragen.config import RunConfig, taken_run_entries, to_yaml
+from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import write_text_atomic
@@ -41,14 +41,13 @@ from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
 from ragen.train.optimizer import adamw
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
+from ragen.train.preflight import run_dir_problem
 
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
 CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
 
 #: Validation seeds start here; training seeds are drawn below it, so the two never overlap.
 VAL_SEED_BASE = 2**31
-#: What a run writes into its directory (besides ``metrics.jsonl``); a new run refuses a directory that has any.
-RUN_DIR_ENTRIES = ("config.yaml", "summary.json", "curves.png", "final", "checkpoints", "rollouts", "tensorboard", "wandb")
 
 
 class StarPOTrainer:
@@ -644,14 +643,8 @@ class StarPOTrainer:
         path = Path(out)
         if resume:
             return path
-        problem = None
-        if self.is_main:  # rank 0 looks before any rank writes; every rank raises the same error
-            if (path / "metrics.jsonl").exists():
-                problem = f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
-            elif taken := taken_run_entries(path, RUN_DIR_ENTRIES):  # never over a user's own files of these names
-                problem = (f"trainer.output_dir {path} already has {taken[0]!r}, which the run would overwrite; "
-                           "choose another trainer.output_dir")
-        problem = broadcast_object(problem)
+        # rank 0 looks before any rank writes; every rank raises the same error
+        problem = broadcast_object(run_dir_problem(path) if self.is_main else None)
         if problem:
             raise FileExistsError(problem)
         if self.is_main:
