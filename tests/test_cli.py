@@ -199,3 +199,6 @@ def test_print_config_stops_on_what_a_run_would_stop_on_at_start_up(override, me
     (taken / "summary.json").write_text("mine")
     assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={taken}", "--print-config"]) == 2
     assert "already has 'summary.json'" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("mine")
+    assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path / 'a_file'}", "--print-config"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

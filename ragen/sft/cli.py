@@ -104,6 +104,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     _quiet()
     from ragen.models import ModelLoadError
+
+    if args.print_config:  # check what start-up checks, print the resolved config, run nothing
+        from ragen.sft.config import to_yaml
+        from ragen.sft.preflight import preflight
+
+        try:
+            preflight(config, resume=bool(args.resume))
+        except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
+            return _fail(str(exc).splitlines()[0])
+        print(to_yaml(config), end="")
+        return 0
     from ragen.sft.trainer import SFTTrainer
 
     try:
@@ -148,6 +159,9 @@ def add_sft_parser(sub) -> None:
     train.add_argument("--force", action="store_true",
                        help="with --resume: accept overrides that change results (anything but trainer.max_steps, epochs, "
                             "eval_freq, save_freq, ...)")
+    train.add_argument("--print-config", action="store_true",
+                       help="check the config as a run's start-up does (output dir, device, model, data records), "
+                            "print it as the run's config.yaml would record it, and exit without training")
     train.set_defaults(func=cmd_train)
 
     merge = sft_sub.add_parser("merge", help="merge a LoRA adapter (or a LoRA run dir) into a standalone HF model dir")

@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragen.config import taken_run_entries
 from ragen.models import apply_lora, autocast, load_model
 from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
+from ragen.sft.preflight import check_run_dir
 from ragen.files import write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
@@ -227,31 +227,14 @@ class SFTTrainer:
         truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
 
-    #: What a run writes into its dir: a new (non-resume) run refuses a dir that holds any of them.
-    RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final")
-
     def _check_run_dir(self, resume: bool) -> Path:
-        """The run dir; for a new run, ``FileExistsError`` naming the first :data:`RUN_FILES` entry it already holds.
-
-        Files of other names in the dir are left alone. The dir is created later, once the
-        model and data loaded.
-        """
+        """The run dir, checked by :func:`ragen.sft.preflight.check_run_dir` (created later, once the model and data loaded)."""
         out = self.config.trainer.output_dir
         if not out:
             out = f"runs/sft-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             self.config.trainer.output_dir = out
         path = Path(out)
-        if path.exists() and not path.is_dir():
-            raise FileExistsError(f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir")
-        if resume:
-            if not path.is_dir():
-                raise FileNotFoundError(f"--resume {path}: no such run directory")
-            return path
-        taken = taken_run_entries(path, self.RUN_FILES)
-        if taken:
-            hint = f" (`ragen sft train --resume {path}` continues the run there)" if (path / "checkpoints").is_dir() else ""
-            raise FileExistsError(f"trainer.output_dir {path} already holds {taken[0]}, which this run would overwrite; "
-                                  f"choose another trainer.output_dir{hint}")
+        check_run_dir(path, resume)
         return path
 
 

@@ -24,6 +24,8 @@ RUN_DIR_ENTRIES = ("config.yaml", "summary.json", "curves.png", "final", "checkp
 
 def run_dir_problem(path: Path) -> str | None:
     """Why a *new* run may not start in ``path`` (one line naming the file), or None."""
+    if path.exists() and not path.is_dir():
+        return f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir"
     if (path / "metrics.jsonl").exists():
         return f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
     if taken := taken_run_entries(path, RUN_DIR_ENTRIES):  # never over a user's own files of these names

@@ -250,3 +250,35 @@ def test_new_run_in_a_dir_of_unrelated_files_keeps_them(data, tmp_path):
     assert main(["sft", "train", str(data), *FAST, "trainer.max_steps=1", "trainer.save_final=false",
                  f"trainer.output_dir={crashed}"]) == 0
     assert (crashed / "summary.json").is_file()
+
+
+# ---------------------------------------------------------------- --print-config
+
+def test_print_config_checks_the_run_without_loading_a_model_or_writing(data, tmp_path, capsys, monkeypatch):
+    import ragen.models.loading
+    import ragen.sft.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--print-config loaded a model")
+
+    monkeypatch.setattr(ragen.models.loading, "load_model", no_model)
+    monkeypatch.setattr(ragen.sft.trainer, "load_model", no_model)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert main(["sft", "train", str(data), *FAST, "optim.lr=0.003", f"trainer.output_dir={out}", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # no run dir, no runs/
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_sft_config(str(tmp_path / "printed.yaml")) == load_sft_config(
+        None, [f"data.path={data}", *FAST, "optim.lr=0.003", f"trainer.output_dir={out}"])
+    # a line that is no conversation, named by FILE:LINE, as the run itself would stop on it
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl([GOOD, {"messages": []}], bad)
+    assert main(["sft", "train", str(bad), *FAST, f"trainer.output_dir={out}", "--print-config"]) == 2
+    one_error_line(capsys, f"{bad}:2", "'messages'")
+    assert capsys.readouterr().out == ""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "final").mkdir()
+    assert main(["sft", "train", str(data), *FAST, f"trainer.output_dir={taken}", "--print-config"]) == 2
+    one_error_line(capsys, "already holds final")

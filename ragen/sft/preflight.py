@@ -1,0 +1,58 @@
+"""The checks an SFT run makes before it loads a model, runnable alone: ``ragen sft train --print-config``.
+
+:func:`preflight` raises what :class:`~ragen.sft.trainer.SFTTrainer` would raise at start-up: an output dir
+it may not use, an unusable ``trainer.device``, a model spec naming nothing loadable, a data file that is
+empty or holds a line that is not a conversation (``FILE:LINE``). Limits that need the tokenizer
+(``data.max_length``) are checked when the run starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ragen.config import taken_run_entries
+from ragen.models.device import resolve_device
+from ragen.sft.config import SFTConfig
+from ragen.sft.data import record_problem
+from ragen.sft.generate import iter_jsonl
+from ragen.train.preflight import check_model_spec
+
+#: What an SFT run writes into its dir: a new (non-resume) run refuses a dir that holds any of them.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final")
+
+
+def check_run_dir(path: Path, resume: bool) -> None:
+    """Raise unless an SFT run may use ``path``: a new run's dir must not hold a :data:`RUN_FILES` entry
+    (other files are left alone), a resumed run's dir must exist."""
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir")
+    if resume:
+        if not path.is_dir():
+            raise FileNotFoundError(f"--resume {path}: no such run directory")
+        return
+    taken = taken_run_entries(path, RUN_FILES)
+    if taken:
+        hint = f" (`ragen sft train --resume {path}` continues the run there)" if (path / "checkpoints").is_dir() else ""
+        raise FileExistsError(f"trainer.output_dir {path} already holds {taken[0]}, which this run would overwrite; "
+                              f"choose another trainer.output_dir{hint}")
+
+
+def check_data(path: str) -> None:
+    """Raise ``ValueError`` naming ``FILE:LINE`` unless every line of ``path`` is a training conversation."""
+    count = 0
+    for number, record in iter_jsonl(path):
+        problem = record_problem(record)
+        if problem:
+            raise ValueError(f"{path}:{number}: {problem}")
+        count += 1
+    if not count:
+        raise ValueError(f"{path}: no records")
+
+
+def preflight(config: SFTConfig, resume: bool = False) -> None:
+    """Raise the error an SFT run of ``config`` would stop on at start-up (see the module docstring)."""
+    if config.trainer.output_dir:  # empty: a fresh runs/sft-TIME dir
+        check_run_dir(Path(config.trainer.output_dir), resume)
+    resolve_device(config.trainer.device)
+    check_model_spec(config.model)
+    check_data(config.data.path)
