@@ -56,7 +56,7 @@ def load_model(spec: str, *, seed: int = 0):
     """Return ``(model, tokenizer)`` with fp32 master weights, in eval mode.
 
     A directory holding a peft adapter (``adapter_config.json``) is loaded on its base
-    model and merged, so callers always get a plain transformers model.
+    model and merged, so callers always get a plain transformers model, every weight trainable.
     """
     if spec == TINY_NAME:
         model, tokenizer = load_tiny(seed=seed)
@@ -73,6 +73,7 @@ def load_model(spec: str, *, seed: int = 0):
         base, _ = load_model(base_spec, seed=base_seed)
         with peft_quietly():
             model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        model.requires_grad_(True)  # peft leaves the merged weights frozen; a plain model trains every weight
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")

@@ -86,6 +86,16 @@ def test_lora_merge_gives_the_adapter_model_logits(data, tmp_path):
     model, _ = load_model(str(run))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    # ... as a plain model: every weight trainable, as from_pretrained gives it (peft's merge leaves them frozen),
+    # so a full fine-tune continues from a LoRA run: RL and SFT alike.
+    assert all(p.requires_grad for p in model.parameters())
+    rl = tmp_path / "rl"
+    assert main(["train", "bandit", f"model={run}", "trainer.total_steps=1", f"trainer.output_dir={rl}",
+                 "rollout.env_groups=1", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "trainer.val_episodes=1", "trainer.progress_bar=false", "trainer.plot=false"]) == 0
+    assert (rl / "final" / "model.safetensors").is_file() and not (rl / "final" / "adapter_config.json").exists()
+    assert main(["sft", "train", str(data), *FAST, f"model={run}", "trainer.max_steps=1",
+                 f"trainer.output_dir={tmp_path / 'sft_again'}"]) == 0
 
 
 def test_resume_continues_exactly(data, tmp_path):
