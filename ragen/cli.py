@@ -160,7 +160,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from ragen.config import ConfigError, load_config
+    from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores
 
     preset = args.env
     if Path(preset).is_dir() and (Path(preset) / "config.yaml").is_file():  # a run dir: its own config
@@ -169,6 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             return _fail(f"{preset} is empty (the run dir is damaged); give the env or YAML config instead")
     try:
         config = load_config(preset, args.overrides)
+        reject_env_overrides_eval_ignores(config, args.overrides)
     except ConfigError as exc:
         return _fail(str(exc))
     note_lost_env_settings(config)

@@ -457,6 +457,25 @@ def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] |
         raise ConfigError(f"config key {key!r}: not used when es.train is set (its tags are the training envs); {fix}")
 
 
+def reject_env_overrides_eval_ignores(config: RunConfig, overrides: list[str] | tuple[str, ...]) -> None:
+    """For ``ragen eval``: an ``env.*`` override is an error when ``es.val`` tags are what is evaluated.
+
+    Eval plays the ``es.val`` tags (each with its own env config) when there are any, so ``env.*``
+    typed on the command line would change nothing. (With ``es.train`` set, :func:`load_config`
+    has already refused it.)
+    """
+    if not config.es.val:
+        return
+    for item in overrides:
+        key = _single_env_key(item)
+        if key is None or not key.startswith("env"):
+            continue
+        tags = ", ".join(entry.tag for entry in config.es.val)
+        setting = f"es.tags.TAG.config.{key[len('env.config.'):]}=VALUE" if key.startswith("env.config.") else "es.tags.TAG=..."
+        raise ConfigError(f"config key {key!r}: not used by eval when es.val is set (its tags, {tags}, are the envs "
+                          f"evaluated); set it on a tag ({setting}), or pass 'es.val=[]' to evaluate env itself")
+
+
 def lost_env_settings(config: RunConfig) -> list[str]:
     """Settings from the single-env keys that ``es.train`` leaves unused and that differ from what it trains on.
 

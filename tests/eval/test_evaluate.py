@@ -177,3 +177,18 @@ def test_eval_plays_the_configs_validation_tags(tmp_path):
     assert bandit_report["optimality"] is None
     assert "model, greedy, value" in format_table(lake_report)
     assert "model, greedy, value" not in format_table(bandit_report)
+
+
+def test_an_env_override_the_validation_tags_would_ignore_exits_2(capsys, tmp_path):
+    # The bandit preset evaluates its es.val tags (Bandit, BanditTest), each with its own env config: an env.*
+    # override would change nothing, so it is refused, naming the key, the tags and both ways to say it.
+    assert main(["eval", "tiny", "bandit", "env.config.name_set=test", "--k", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'env.config.name_set'" in err and "Bandit, BanditTest" in err
+    assert "es.tags.TAG.config.name_set=VALUE" in err and "'es.val=[]'" in err
+    # Either way is accepted: the env itself on the test names, or the tag changed.
+    out = tmp_path / "report.json"
+    assert main(["eval", "tiny", "bandit", "es.val=[]", "env.config.name_set=test", "trainer.val_episodes=1", "--k", "0",
+                 "--no-baselines", "--json", str(out)]) == 0
+    assert main(["eval", "tiny", "bandit", "es.tags.BanditTest.config.high_payoff=2.0", "trainer.val_episodes=1",
+                 "--k", "0", "--no-baselines"]) == 0
