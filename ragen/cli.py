@@ -215,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
     train.add_argument("--force", action="store_true", help="with --resume: accept overrides that change results")
     train.add_argument("--print-config", action="store_true",
-                       help="check the config as a run's start-up does (envs built, model found, output dir free), "
-                            "print it as the run's config.yaml would record it, and exit without training")
+                       help="check the config as a run's start-up does (envs built, model found, output dir free or, with "
+                            "--resume, a valid checkpoint), print it as the run's config.yaml would record it (an empty "
+                            "trainer.output_dir is named runs/NAME-TIME only when a run starts), and exit without training")
     train.set_defaults(func=cmd_train)
     envs = sub.add_parser("envs", help="list registered envs and their config knobs")
     envs.set_defaults(func=cmd_envs)

@@ -629,7 +629,15 @@ def flat_config(config: Any) -> dict[str, Any]:
 def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
     """Dotted keys whose values differ between two configs, ignoring :data:`RESUME_SAFE_KEYS`."""
     a, b = flat_config(old), flat_config(new)
-    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
+    return sorted(k for k in a.keys() | b.keys() if not resume_safe(k, b) and a.get(k) != b.get(k))
+
+
+def resume_safe(key: str, config: dict[str, Any], safe_keys: set[str] = RESUME_SAFE_KEYS) -> bool:
+    """Whether ``key`` (of the flat ``config``) may change on resume: one of ``safe_keys``, except the
+    micro-batch size under LoRA dropout, which draws other dropout masks (``*.micro_batch_size`` of RL and SFT)."""
+    if key.endswith(".micro_batch_size") and config.get("lora.rank", 0) > 0 and config.get("lora.dropout", 0) > 0:
+        return False
+    return key in safe_keys
 
 
 #: First line of every ``config.yaml`` a run writes: a YAML comment, so the file loads the same, but it tells a

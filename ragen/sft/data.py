@@ -17,7 +17,7 @@ import torch
 
 from ragen.agent.context import ChatTokens
 from ragen.sft.generate import iter_jsonl, json_kind
-from ragen.sft.masking import TokenizedExample, tokenize_conversation
+from ragen.sft.masking import TokenizedExample, conversation_problem, tokenize_conversation
 
 
 @dataclass
@@ -68,7 +68,7 @@ def record_problem(record: Any) -> str | None:
         prefix = agent.get("response_prefix")
         if prefix is not None and not isinstance(prefix, str):
             return f"agent.response_prefix must be a string (got {json_kind(prefix)})"
-    return None
+    return conversation_problem(messages, (agent or {}).get("response_prefix") or "")
 
 
 def tokenize_records(records: list[dict], tokenizer, *, train_on_eos: bool = True,

@@ -41,31 +41,45 @@ def eos_closes_turn(chat: ChatTokens, messages: list[dict]) -> bool:
     return chat.closing_ids(messages, "eos") != chat.closing_ids(messages, "stop")
 
 
+def conversation_problem(messages: list[dict], response_prefix: str = "") -> str | None:
+    """Why ``messages`` is not a conversation :func:`tokenize_conversation` can train on, or None (needs no tokenizer).
+
+    It must hold an assistant message; the first one must follow a user message; from there on,
+    assistant replies and user messages alternate; every reply starts with ``response_prefix``.
+    """
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        return "conversation has no assistant message"
+    if first == 0 or messages[first - 1]["role"] != "user":
+        return "the first assistant message must follow a user message"
+    for k in range(first, len(messages)):
+        expected = "assistant" if (k - first) % 2 == 0 else "user"
+        role = messages[k]["role"]
+        if role != expected:
+            what = "an assistant reply" if expected == "assistant" else "a user message after a reply"
+            return f"message {k}: expected {what}, got role {role!r}"
+        if role == "assistant" and not messages[k]["content"].startswith(response_prefix):
+            return f"message {k}: reply does not start with the response prefix {response_prefix!r}"
+    return None
+
+
 def tokenize_conversation(chat: ChatTokens, messages: list[dict], *, response_prefix: str = "",
                           train_on_eos: bool = True) -> TokenizedExample:
     """Ids and loss mask of ``messages`` (system/user messages, then alternating assistant and user).
 
-    Raises ``ValueError`` if there is no assistant message, two assistant or two user
-    messages follow each other after the first reply, or a reply does not start with
-    ``response_prefix``.
+    Raises ``ValueError`` with :func:`conversation_problem`'s message for a conversation of the wrong shape.
     """
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-    if first is None:
-        raise ValueError("conversation has no assistant message")
-    if first == 0 or messages[first - 1]["role"] != "user":
-        raise ValueError("the first assistant message must follow a user message")
+    problem = conversation_problem(messages, response_prefix)
+    if problem:
+        raise ValueError(problem)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prefix_ids = chat.encode(response_prefix)
     ids = chat.prompt_ids(messages[:first]) + prefix_ids
     mask = [0] * len(ids)
     eos_id = chat.tokenizer.eos_token_id
     k = first
     while k < len(messages):
-        reply = messages[k]
-        if reply["role"] != "assistant":
-            raise ValueError(f"message {k}: expected an assistant reply, got role {reply['role']!r}")
-        content = reply["content"]
-        if not content.startswith(response_prefix):
-            raise ValueError(f"message {k}: reply does not start with the response prefix {response_prefix!r}")
+        content = messages[k]["content"]
         history = messages[:k]  # ends with the user message this reply answers
         written = chat.encode(content[len(response_prefix) :])
         finish = "stop"
@@ -76,8 +90,6 @@ def tokenize_conversation(chat: ChatTokens, messages: list[dict], *, response_pr
         mask += [1] * len(written)
         if k + 1 < len(messages):
             next_user = messages[k + 1]
-            if next_user["role"] != "user":
-                raise ValueError(f"message {k + 1}: expected a user message after a reply, got {next_user['role']!r}")
             between = chat.next_turn_ids(history, next_user, finish) + prefix_ids
             ids += between
             mask += [0] * len(between)
@@ -85,4 +97,4 @@ def tokenize_conversation(chat: ChatTokens, messages: list[dict], *, response_pr
     return TokenizedExample(ids, mask)
 
 
-__all__ = ["TokenizedExample", "tokenize_conversation", "eos_closes_turn"]
+__all__ = ["TokenizedExample", "conversation_problem", "tokenize_conversation", "eos_closes_turn"]

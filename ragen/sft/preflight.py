@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ragen.config import taken_run_entries
+from ragen.files import file_in_the_way
 from ragen.models.device import resolve_device
+from ragen.models.loading import check_model
+from ragen.train.preflight import check_resumable
 from ragen.sft.config import SFTConfig
 from ragen.sft.data import record_problem
 from ragen.sft.generate import iter_jsonl
-from ragen.train.preflight import check_model_spec
 
 #: What an SFT run writes into its dir: a new (non-resume) run refuses a dir that holds any of them.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final")
@@ -24,8 +26,9 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "fin
 def check_run_dir(path: Path, resume: bool) -> None:
     """Raise unless an SFT run may use ``path``: a new run's dir must not hold a :data:`RUN_FILES` entry
     (other files are left alone), a resumed run's dir must exist."""
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir")
+    if blocker := file_in_the_way(path):
+        where = "is a file" if blocker == path.absolute() else f"is under a file ({blocker})"
+        raise FileExistsError(f"trainer.output_dir {path} {where}, not a directory; choose another trainer.output_dir")
     if resume:
         if not path.is_dir():
             raise FileNotFoundError(f"--resume {path}: no such run directory")
@@ -53,6 +56,8 @@ def preflight(config: SFTConfig, resume: bool = False) -> None:
     """Raise the error an SFT run of ``config`` would stop on at start-up (see the module docstring)."""
     if config.trainer.output_dir:  # empty: a fresh runs/sft-TIME dir
         check_run_dir(Path(config.trainer.output_dir), resume)
+    if resume:
+        check_resumable(Path(config.trainer.output_dir))
     resolve_device(config.trainer.device)
-    check_model_spec(config.model)
+    check_model(config.model)
     check_data(config.data.path)

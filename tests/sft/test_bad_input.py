@@ -277,6 +277,10 @@ def test_print_config_checks_the_run_without_loading_a_model_or_writing(data, tm
     assert main(["sft", "train", str(bad), *FAST, f"trainer.output_dir={out}", "--print-config"]) == 2
     one_error_line(capsys, f"{bad}:2", "'messages'")
     assert capsys.readouterr().out == ""
+    # ... also the conversation's shape, which needs no tokenizer (the run finds it while tokenising)
+    write_jsonl([GOOD, {"messages": [{"role": "user", "content": "Pick an arm."}]}], bad)
+    assert main(["sft", "train", str(bad), *FAST, f"trainer.output_dir={out}", "--print-config"]) == 2
+    one_error_line(capsys, f"{bad}:2", "no assistant message")
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "final").mkdir()

@@ -114,23 +114,44 @@ def test_resume_continues_exactly(data, tmp_path):
     assert losses(split) == losses(straight)
 
 
-def test_the_micro_batch_size_changes_only_rounding_so_resume_accepts_it(data, tmp_path):
-    """Each micro-batch's summed NLL is divided by the whole batch's token count, so 4 conversations in one pass
-    or in four give the same loss and gradient (fp32 rounding). The usual fix after an OOM kill, a smaller
-    ``trainer.micro_batch_size``, is therefore allowed on ``--resume`` without ``--force``."""
-    common = [str(data), *FAST, "trainer.precision=fp32", "optim.lr=1e-3", "optim.warmup_steps=0",
-              "trainer.save_freq=1", "trainer.save_final=false"]
-    whole, single = tmp_path / "whole", tmp_path / "single"
-    assert main(["sft", "train", *common, "trainer.max_steps=2", "trainer.micro_batch_size=4", f"trainer.output_dir={whole}"]) == 0
-    assert main(["sft", "train", *common, "trainer.max_steps=1", "trainer.micro_batch_size=1", f"trainer.output_dir={single}"]) == 0
-    assert main(["sft", "train", "--resume", str(single), "trainer.max_steps=2", "trainer.micro_batch_size=2"]) == 0
-    a, b = metrics(whole), metrics(single)
-    assert [m["step"] for m in b] == [0, 1, 2]
-    assert b[1]["train/tokens"] == a[1]["train/tokens"] > 0
-    for key in ("train/loss", "train/grad_norm"):  # step 1: the same weights, the batch in 1 or 4 passes
-        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5), key
-    assert b[2]["train/loss"] == pytest.approx(a[2]["train/loss"], rel=1e-3)  # after one AdamW step on either
-    assert b[0]["eval/loss"] == pytest.approx(a[0]["eval/loss"], rel=1e-5)
+def test_the_micro_batch_size_changes_only_rounding_so_resume_accepts_it(tmp_path, monkeypatch):
+    """Each micro-batch's summed NLL is divided by the whole batch's token count, so conversations of different
+    lengths in one pass or in several give the same gradient (fp32 rounding). The usual fix after an OOM kill, a
+    smaller ``trainer.micro_batch_size``, is therefore allowed on ``--resume`` without ``--force``."""
+    from ragen.sft.config import load_sft_config
+    from ragen.sft.generate import write_jsonl
+    from ragen.sft.trainer import SFTTrainer
+
+    replies = ["<answer>A</answer>", "<answer>the long way round, then A</answer>", "<answer>B B B B B B B B</answer>", "x"]
+    data = tmp_path / "uneven.jsonl"
+    write_jsonl([{"messages": [{"role": "user", "content": f"Pick {i}."}, {"role": "assistant", "content": r}]}
+                 for i, r in enumerate(replies * 2)], data)
+    grads = {}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def record(params, max_norm):  # the accumulated gradient, before clipping
+        grads[size] = [p.grad.clone() for p in params]
+        return real_clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record)
+    losses = {}
+    for size in (4, 3, 1):
+        config = load_sft_config(None, [f"data.path={data}", *FAST, "trainer.precision=fp32",
+                                        f"trainer.micro_batch_size={size}", f"trainer.output_dir={tmp_path / str(size)}"])
+        trainer = SFTTrainer(config)
+        batch = trainer.data.train[:4]
+        assert len({e.num_trained for e in batch}) > 2  # uneven: a per-micro-batch mean would weigh tokens differently
+        losses[size] = trainer.optimizer_step(batch)["train/loss"]
+    for size in (3, 1):
+        assert losses[size] == pytest.approx(losses[4], rel=1e-6)
+        for got, whole in zip(grads[size], grads[4]):
+            assert (got - whole).norm() <= 1e-5 * whole.norm() + 1e-12
+    # resume with a smaller micro-batch: accepted without --force
+    run = tmp_path / "run"
+    common = [str(data), *FAST, "trainer.save_freq=1", "trainer.save_final=false", f"trainer.output_dir={run}"]
+    assert main(["sft", "train", *common, "trainer.max_steps=1"]) == 0
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=2", "trainer.micro_batch_size=1"]) == 0
+    assert [m["step"] for m in metrics(run)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("args,key", [

@@ -153,3 +153,22 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "interrupted: checkpoint of step" in out
     path, ckpt = latest_checkpoint(run)
     assert 1 <= ckpt["state"]["step"] < 50
+
+
+def test_a_smaller_micro_batch_changes_results_only_under_lora_dropout():
+    from ragen.config import load_config, result_changing_differences
+    from ragen.sft import config as sft
+
+    def rl(*extra):
+        return load_config("bandit", ["model=tiny", *extra])
+
+    def sft_config(*extra):
+        return sft.load_sft_config(None, ["data.path=x.jsonl", *extra], check=False)
+
+    assert result_changing_differences(rl(), rl("algorithm.micro_batch_size=1")) == []
+    assert sft.result_changing_differences(sft_config(), sft_config("trainer.micro_batch_size=1")) == []
+    lora = ("lora.rank=4", "lora.dropout=0.1")  # other micro-batches draw other dropout masks
+    assert result_changing_differences(rl(*lora), rl(*lora, "algorithm.micro_batch_size=1")) == ["algorithm.micro_batch_size"]
+    assert sft.result_changing_differences(sft_config(*lora), sft_config(*lora, "trainer.micro_batch_size=1")) == \
+        ["trainer.micro_batch_size"]
+    assert result_changing_differences(rl("lora.rank=4"), rl("lora.rank=4", "algorithm.micro_batch_size=1")) == []
