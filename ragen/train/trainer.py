@@ -417,7 +417,6 @@ class StarPOTrainer:
                                                alg.clip_range_value, alg.loss_agg_mode)
                 loss = loss + alg.value_coef * v_loss
                 step_metrics.update(v_metrics)
-                ev_sums.add(tgt.returns, out.values.detach(), micro.response_mask)
             step_metrics["actor/loss"] = loss.item()
             token_share = micro.response_mask.sum() / total_tokens
             share = token_share if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
@@ -427,6 +426,8 @@ class StarPOTrainer:
                 (loss * share).backward()
             if padding:  # a padding pass adds no gradient and no metrics (its own may be NaN, e.g. one-token variances)
                 continue
+            if out.values is not None:
+                ev_sums.add(tgt.returns, out.values.detach(), micro.response_mask)
             for k, v in step_metrics.items():  # losses by the loss's own share, token statistics by token share
                 weight = share if k in LOSS_METRICS or k.endswith("_loss") else token_share
                 sums[k] = sums.get(k, 0.0) + float(v) * float(weight)
@@ -726,7 +727,8 @@ class ExplainedVarianceSums:
 
     def add(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
         m = mask.bool()
-        r, d = returns[m].double(), (returns[m] - values[m]).double()
+        r = returns[m].double()
+        d = r - values[m].double()
         for key, x in (("n", torch.ones_like(r)), ("r", r), ("r2", r * r), ("d", d), ("d2", d * d)):
             self.totals[key] += float(x.sum())
 
