@@ -73,12 +73,12 @@ def write_dir_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic"]
-
-
 def file_in_the_way(path: str | Path) -> Path | None:
     """The existing non-directory at ``path`` or at one of its parents (``mkdir -p path`` would fail on it), or None."""
     for candidate in (Path(path).absolute(), *Path(path).absolute().parents):
         if candidate.exists():
             return None if candidate.is_dir() else candidate
     return None
+
+
+__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way"]

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ragen.config import taken_run_entries
-from ragen.files import file_in_the_way
 from ragen.models.device import resolve_device
 from ragen.models.loading import check_model
-from ragen.train.preflight import check_resumable
+from ragen.train.preflight import check_resumable, not_a_directory
 from ragen.sft.config import SFTConfig
 from ragen.sft.data import record_problem
 from ragen.sft.generate import iter_jsonl
@@ -26,9 +25,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "fin
 def check_run_dir(path: Path, resume: bool) -> None:
     """Raise unless an SFT run may use ``path``: a new run's dir must not hold a :data:`RUN_FILES` entry
     (other files are left alone), a resumed run's dir must exist."""
-    if blocker := file_in_the_way(path):
-        where = "is a file" if blocker == path.absolute() else f"is under a file ({blocker})"
-        raise FileExistsError(f"trainer.output_dir {path} {where}, not a directory; choose another trainer.output_dir")
+    if problem := not_a_directory(path):
+        raise FileExistsError(problem)
     if resume:
         if not path.is_dir():
             raise FileNotFoundError(f"--resume {path}: no such run directory")

@@ -27,11 +27,18 @@ from ragen.train.loggers import require_logger_packages
 RUN_DIR_ENTRIES = ("config.yaml", "summary.json", "curves.png", "final", "checkpoints", "rollouts", "tensorboard", "wandb")
 
 
-def run_dir_problem(path: Path) -> str | None:
-    """Why a *new* run may not start in ``path`` (one line naming the file), or None."""
+def not_a_directory(path: Path) -> str | None:
+    """Why ``trainer.output_dir`` ``path`` cannot be a directory (it, or a parent, is a file), or None (RL and SFT)."""
     if blocker := file_in_the_way(path):
         where = "is a file" if blocker == path.absolute() else f"is under a file ({blocker})"
         return f"trainer.output_dir {path} {where}, not a directory; choose another trainer.output_dir"
+    return None
+
+
+def run_dir_problem(path: Path) -> str | None:
+    """Why a *new* run may not start in ``path`` (one line naming the file), or None."""
+    if problem := not_a_directory(path):
+        return problem
     if (path / "metrics.jsonl").exists():
         return f"run dir {path} already holds a run (metrics.jsonl); choose another trainer.output_dir"
     if taken := taken_run_entries(path, RUN_DIR_ENTRIES):  # never over a user's own files of these names

@@ -703,13 +703,6 @@ def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor, lengths: torc
     return index[torch.tensor(rank, dtype=torch.long)]
 
 
-def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 − Var[returns − values] / Var[returns] over masked tokens (1 = perfect critic)."""
-    sums = ExplainedVarianceSums()
-    sums.add(returns, values, mask)
-    return ExplainedVarianceSums.from_metrics(sums.as_metrics())
-
-
 #: Update metrics that are losses: weighted by the loss's share of a mini-batch (tokens or sequences, as
 #: ``loss_agg_mode``). Other metrics are token statistics (clip fractions, ratios, KL estimates), weighted by
 #: token share; either way the accumulated value is the one-pass value (tests/train/test_micro_batches.py).
@@ -717,7 +710,8 @@ LOSS_METRICS = frozenset({"actor/loss", "actor/entropy"})
 
 
 class ExplainedVarianceSums:
-    """Sums from which 1 − Var[R − V] / Var[R] over all masked tokens is exact, whatever the micro-batches
+    """Sums from which the explained variance 1 − Var[R − V] / Var[R] over all masked tokens (1 = perfect critic)
+    is exact, whatever the micro-batches
     and ranks they came from (fp64: n, ΣR, ΣR², ΣD, ΣD² with D = R − V); summed like other metrics."""
 
     KEYS = ("n", "r", "r2", "d", "d2")
