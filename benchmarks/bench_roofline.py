@@ -13,7 +13,10 @@ One process, in this order, so every ratio comes from the same run:
 2. **Update** at the main job's shape: a real :class:`StarPOTrainer` from the ``bandit`` preset
    (8 groups × 4 envs, ≤ 16 new tokens, micro-batch 16, one AdamW step per RL step, precision
    ``auto``), ``--warmup`` untimed then ``--steps`` timed RL steps of ``trainer.rollout`` +
-   ``trainer.update``: exactly what ``ragen train bandit`` runs.
+   ``trainer.update``: exactly what ``ragen train bandit`` runs. Two warm-up steps by default: a run's
+   first two updates fault in fresh memory (the optimizer's state, the allocator's first large blocks)
+   and are not what the rest of a run does (Zen 5 EPYC, 2026-11-27: updates 1-10 took 4.80, 2.39,
+   then 1.57-1.82 s, with 594 k, 135 k, then 15-40 k page faults; ``docs/performance.md``).
 3. fp32 peak again.
 4. **Generation** with the trainer's own ``HFBackend`` at each ``--batches`` size: ``B / group_size``
    distinct bandit prompts (the prompts the rollouts above rendered), each ``group_size`` times,
@@ -266,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64], help="generation batch sizes")
     ap.add_argument("--new-tokens", type=int, default=32, help="exact new tokens per generated row")
-    ap.add_argument("--steps", type=int, default=2, help="timed main-job RL steps (rollout + update)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed RL steps first")
+    ap.add_argument("--steps", type=int, default=3, help="timed main-job RL steps (rollout + update)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed RL steps first (a run's first two updates fault in fresh memory)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: two OpenMP threads on a machine other work shares stall each other; "
                          "peaks and workload use the same count, so MFU is per the cores used)")
