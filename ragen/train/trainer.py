@@ -306,7 +306,11 @@ class StarPOTrainer:
             for start in range(0, len(samples), mini):
                 index = group_contiguous(order[start : start + mini], samples.group_ids)
                 history.append(self.optimizer_step(samples.select(index), targets.select(index), zero_gradient=zero_gradient))
+        # per optimizer step, averaged; the explained variance from the steps' pooled sums (exact over the update)
+        ev_sums = {k: sum(h.pop(k) for h in history) for k in list(history[0]) if k.startswith(EV_PREFIX)}
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
+        if ev_sums:
+            metrics["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(ev_sums)
         metrics["actor/backward_skipped"] = float(zero_gradient)
         metrics.update(adv.metrics)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -437,8 +441,8 @@ class StarPOTrainer:
         else:
             all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
         sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
-        if self.value_head is not None:
-            sums["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(sums)
+        if self.value_head is not None:  # this step's; the sums stay in for update() to pool over its steps
+            sums["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(dict(sums))
         grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
         self.optimizer.step()
         self.scheduler.step()
@@ -709,12 +713,21 @@ def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor, lengths: torc
 LOSS_METRICS = frozenset({"actor/loss", "actor/entropy"})
 
 
+#: Metric keys of :class:`ExplainedVarianceSums`' totals (summed over micro-batches, ranks and optimizer steps; not logged).
+EV_PREFIX = "critic/_ev_"
+
+
 class ExplainedVarianceSums:
     """Sums from which the explained variance 1 − Var[R − V] / Var[R] over all masked tokens (1 = perfect critic)
     is exact, whatever the micro-batches
-    and ranks they came from (fp64: n, ΣR, ΣR², ΣD, ΣD² with D = R − V); summed like other metrics."""
+    and ranks they came from (fp64: n, ΣR, ΣR², ΣD, ΣD², ΣV² with D = R − V); summed like other metrics.
 
-    KEYS = ("n", "r", "r2", "d", "d2")
+    Undefined (NaN) when the returns are constant up to the fp32 rounding they were computed with: GAE's returns are
+    ``A + V`` in fp32, so equal true returns (every reward 0, say) still vary by ~1e-7·|V|, and dividing by that
+    variance would log a number like -1e14. Returns whose variance is below (1e-6)² times the larger of their and the
+    values' mean square count as constant."""
+
+    KEYS = ("n", "r", "r2", "d", "d2", "v2")
 
     def __init__(self):
         self.totals = dict.fromkeys(self.KEYS, 0.0)
@@ -722,23 +735,24 @@ class ExplainedVarianceSums:
     def add(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
         m = mask.bool()
         r = returns[m].double()
-        d = r - values[m].double()
-        for key, x in (("n", torch.ones_like(r)), ("r", r), ("r2", r * r), ("d", d), ("d2", d * d)):
+        v = values[m].double()
+        d = r - v
+        for key, x in (("n", torch.ones_like(r)), ("r", r), ("r2", r * r), ("d", d), ("d2", d * d), ("v2", v * v)):
             self.totals[key] += float(x.sum())
 
     def as_metrics(self) -> dict[str, float]:
-        return {f"critic/_ev_{k}": v for k, v in self.totals.items()} if self.totals["n"] else {}
+        return {f"{EV_PREFIX}{k}": v for k, v in self.totals.items()} if self.totals["n"] else {}
 
     @staticmethod
     def from_metrics(metrics: dict[str, float]) -> float:
         """The explained variance from summed :meth:`as_metrics` entries (popped from ``metrics``); NaN if undefined."""
-        t = {k: metrics.pop(f"critic/_ev_{k}", 0.0) for k in ExplainedVarianceSums.KEYS}
+        t = {k: metrics.pop(f"{EV_PREFIX}{k}", 0.0) for k in ExplainedVarianceSums.KEYS}
         n = t["n"]
         if n < 2:
             return float("nan")
         var_r = t["r2"] / n - (t["r"] / n) ** 2
         var_d = t["d2"] / n - (t["d"] / n) ** 2
-        if var_r <= 1e-12 * max(t["r2"] / n, 1e-300):  # constant returns (up to fp64 rounding): undefined
+        if var_r <= 1e-12 * max(t["r2"] / n, t["v2"] / n, 1e-300):  # constant up to fp32 rounding: undefined
             return float("nan")
         return 1.0 - var_d / var_r
 

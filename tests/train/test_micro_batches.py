@@ -117,3 +117,53 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
             if key.startswith("time/"):
                 continue
             assert metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-6, nan_ok=True), (size, key)
+
+
+def test_explained_variance_is_undefined_for_returns_constant_up_to_fp32_rounding():
+    from ragen.train.trainer import ExplainedVarianceSums
+
+    torch.manual_seed(0)
+    values = torch.randn(2, 64) * 5  # a critic that has learned something
+    mask = torch.ones(2, 64)
+    for reward in (0.0, -0.1, 1.0):  # every return equal: GAE's fp32 R = A + V keeps V's rounding noise
+        returns = (torch.full_like(values, reward) - values) + values
+        assert returns.std() > 0 or reward == 0.0  # the noise is there (or R is exactly 0)
+        sums = ExplainedVarianceSums()
+        sums.add(returns, values, mask)
+        assert torch.isnan(torch.tensor(ExplainedVarianceSums.from_metrics(sums.as_metrics()))), reward
+    # returns that really vary: the exact 1 - Var[R - V] / Var[R], in halves as micro-batches would add them
+    returns = values + 0.5 * torch.randn_like(values)
+    sums = ExplainedVarianceSums()
+    sums.add(returns[:1], values[:1], mask[:1])
+    sums.add(returns[1:], values[1:], mask[1:])
+    r, d = returns.double().flatten(), (returns - values).double().flatten()
+    expected = 1 - d.var(unbiased=False) / r.var(unbiased=False)
+    assert ExplainedVarianceSums.from_metrics(sums.as_metrics()) == pytest.approx(expected.item(), rel=1e-9)
+
+
+def test_the_updates_explained_variance_pools_the_sums_of_all_its_optimizer_steps(tmp_path):
+    """With several optimizer steps per update (mini-batches of one row here) the logged explained variance is the
+    one of all the update's tokens, from the steps' pooled sums: not a mean of per-step values (a step whose rows'
+    returns are constant has none, NaN, which would make the mean NaN)."""
+    from ragen.train.trainer import EV_PREFIX, ExplainedVarianceSums
+
+    config = load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path}", "trainer.val_episodes=1",
+                                    "trainer.precision=fp32", "algorithm.adv_estimator=gae", "algorithm.mini_batch_size=1"])
+    torch.manual_seed(0)
+    trainer = StarPOTrainer(config)
+    with torch.no_grad():  # a critic with an opinion: the zero-initialised head predicts 0 everywhere
+        torch.nn.init.normal_(trainer.value_head.linear.weight, std=0.5)
+    steps, real_step = [], trainer.optimizer_step
+
+    def record(*args, **kwargs):
+        metrics = real_step(*args, **kwargs)
+        steps.append({k: v for k, v in metrics.items() if k.startswith(EV_PREFIX)})
+        return metrics
+
+    trainer.optimizer_step = record
+    torch.manual_seed(1)
+    metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
+    assert len(steps) > 2 and not any(k.startswith(EV_PREFIX) for k in metrics)
+    pooled = {k: sum(step[k] for step in steps) for k in steps[0]}
+    assert metrics["critic/explained_variance"] == pytest.approx(ExplainedVarianceSums.from_metrics(pooled), rel=1e-12)
+    assert torch.isfinite(torch.tensor(metrics["critic/explained_variance"]))
