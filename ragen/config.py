@@ -203,6 +203,9 @@ class AlgorithmConfig:
     mini_batch_size: int = 0
     #: Sequences per forward/backward pass (gradient accumulation inside a mini-batch).
     micro_batch_size: int = 16
+    #: Dropout off in the policy (``ragen/models/dropout.py``): π_old is scored without it, so with it the
+    #: PPO ratio and KL would compare two different functions. ``lora.dropout`` still applies.
+    disable_dropout: bool = True
 
 
 @dataclass
@@ -634,9 +637,14 @@ def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
 
 def resume_safe(key: str, config: dict[str, Any], safe_keys: set[str] = RESUME_SAFE_KEYS) -> bool:
     """Whether ``key`` (of the flat ``config``) may change on resume: one of ``safe_keys``, except the
-    micro-batch size under LoRA dropout, which draws other dropout masks (``*.micro_batch_size`` of RL and SFT)."""
-    if key.endswith(".micro_batch_size") and config.get("lora.rank", 0) > 0 and config.get("lora.dropout", 0) > 0:
-        return False
+    micro-batch size where dropout draws its masks per micro-batch: under LoRA dropout (``*.micro_batch_size`` of RL
+    and SFT) or, in RL, with the model's own dropout left on (``algorithm.disable_dropout=false``: the model may have
+    some; its config is not read here)."""
+    if key.endswith(".micro_batch_size"):
+        if config.get("lora.rank", 0) > 0 and config.get("lora.dropout", 0) > 0:
+            return False
+        if config.get("algorithm.disable_dropout") is False:
+            return False
     return key in safe_keys
 
 

@@ -28,6 +28,7 @@ from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
+from ragen.models.dropout import disable_dropout
 from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
@@ -85,6 +86,9 @@ class StarPOTrainer:
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
         self.model.to(self.device)
         alg = config.algorithm
+        if alg.disable_dropout and (dropped := disable_dropout(self.model)) and self.is_main:  # before LoRA's own
+            print(f"[ragen] dropout off for RL (algorithm.disable_dropout): {len(dropped)} place(s), e.g. {dropped[0]}",
+                  flush=True)
         uses_kl = alg.use_kl_loss or alg.use_kl_in_reward
         # Under LoRA the reference policy is the base with adapters disabled; otherwise a frozen copy.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if uses_kl and config.lora.rank == 0 else None

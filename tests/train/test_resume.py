@@ -155,7 +155,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert 1 <= ckpt["state"]["step"] < 50
 
 
-def test_a_smaller_micro_batch_changes_results_only_under_lora_dropout():
+def test_a_smaller_micro_batch_changes_results_only_under_dropout():
     from ragen.config import load_config, result_changing_differences
     from ragen.sft import config as sft
 
@@ -172,3 +172,6 @@ def test_a_smaller_micro_batch_changes_results_only_under_lora_dropout():
     assert sft.result_changing_differences(sft_config(*lora), sft_config(*lora, "trainer.micro_batch_size=1")) == \
         ["trainer.micro_batch_size"]
     assert result_changing_differences(rl("lora.rank=4"), rl("lora.rank=4", "algorithm.micro_batch_size=1")) == []
+    own = ("algorithm.disable_dropout=false",)  # the model's own dropout left on: it may have some
+    assert result_changing_differences(rl(*own), rl(*own, "algorithm.micro_batch_size=1")) == ["algorithm.micro_batch_size"]
+    assert result_changing_differences(rl(), rl(*own)) == ["algorithm.disable_dropout"]  # changes results itself
