@@ -636,11 +636,11 @@ def result_changing_differences(old: RunConfig, new: RunConfig) -> list[str]:
 
 
 def resume_safe(key: str, config: dict[str, Any], safe_keys: set[str] = RESUME_SAFE_KEYS) -> bool:
-    """Whether ``key`` (of the flat ``config``) may change on resume: one of ``safe_keys``, except the
-    micro-batch size where dropout draws its masks per micro-batch: under LoRA dropout (``*.micro_batch_size`` of RL
-    and SFT) or, in RL, with the model's own dropout left on (``algorithm.disable_dropout=false``: the model may have
-    some; its config is not read here)."""
-    if key.endswith(".micro_batch_size"):
+    """Whether ``key`` (of the flat ``config``) may change on resume: one of ``safe_keys``, except where dropout would
+    draw other masks: the micro-batch size (masks per micro-batch; ``*.micro_batch_size`` of RL and SFT) and
+    ``trainer.fsdp`` (its padding passes draw too), under LoRA dropout or, in RL, with the model's own dropout left
+    on (``algorithm.disable_dropout=false``: the model may have some; its config is not read here)."""
+    if key.endswith(".micro_batch_size") or key == "trainer.fsdp":
         if config.get("lora.rank", 0) > 0 and config.get("lora.dropout", 0) > 0:
             return False
         if config.get("algorithm.disable_dropout") is False:

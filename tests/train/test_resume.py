@@ -175,3 +175,7 @@ def test_a_smaller_micro_batch_changes_results_only_under_dropout():
     own = ("algorithm.disable_dropout=false",)  # the model's own dropout left on: it may have some
     assert result_changing_differences(rl(*own), rl(*own, "algorithm.micro_batch_size=1")) == ["algorithm.micro_batch_size"]
     assert result_changing_differences(rl(), rl(*own)) == ["algorithm.disable_dropout"]  # changes results itself
+    # FSDP's padding passes draw dropout masks too: free to switch only without dropout
+    assert result_changing_differences(rl(), rl("trainer.fsdp=true")) == []
+    assert result_changing_differences(rl(*lora), rl(*lora, "trainer.fsdp=true")) == ["trainer.fsdp"]
+    assert result_changing_differences(rl(*own), rl(*own, "trainer.fsdp=true")) == ["trainer.fsdp"]
