@@ -267,7 +267,7 @@ class TrainerConfig:
     log_rollouts_n: int = 8
     #: Write a checkpoint every N steps (0 = only on Ctrl-C); see ``ragen train --resume``.
     save_freq: int = 0
-    #: Checkpoints kept on disk (newest first).
+    #: Checkpoints kept on disk, the newest (0 = every one).
     keep_checkpoints: int = 2
     #: Stop (after saving a checkpoint) once a collapse is confirmed: entropy and in-group reward std both ~0.
     stop_on_collapse: bool = False
@@ -528,6 +528,10 @@ def validate(config: RunConfig) -> None:
     need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(config.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1] (1 = off)")
+    need(config.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+    need(config.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1 (sequences per generate call)")
+    need(0 <= config.seed < 2**32, "seed", "must be in [0, 2**32)")
     need(config.rollout.backend in ("local", "ray"), "rollout.backend", "must be 'local' or 'ray'")
     need(config.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
     need(config.rollout.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'")
@@ -536,6 +540,10 @@ def validate(config: RunConfig) -> None:
     need(config.agent.context_mode in CONTEXT_MODES, "agent.context_mode", f"must be one of {', '.join(CONTEXT_MODES)}")
     need(config.agent.max_context_window >= 0, "agent.max_context_window", "must be >= 0 (past turns kept in a window prompt)")
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")
+    need(config.trainer.val_temperature > 0 or not config.trainer.val_do_sample, "trainer.val_temperature",
+         "must be > 0 (or trainer.val_do_sample=false for greedy validation)")
+    for key in ("val_freq", "save_freq", "log_rollouts_freq", "log_rollouts_n", "keep_checkpoints"):
+        need(getattr(config.trainer, key) >= 0, f"trainer.{key}", "must be >= 0")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
     if config.trainer.fsdp:
@@ -546,11 +554,23 @@ def validate(config: RunConfig) -> None:
         need(fsdp_available(), "trainer.fsdp", f"this torch ({torch.__version__}) lacks the FSDP2 API it needs "
              "(torch.distributed.fsdp.fully_shard with FSDPModule.set_force_sum_reduction_for_comms)")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
+    need(config.algorithm.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = the whole batch)")
+    for key in ("gamma", "lam", "high_level_gamma"):
+        need(0 <= getattr(config.algorithm, key) <= 1, f"algorithm.{key}", "must be in [0, 1]")
+    need(0 <= config.algorithm.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1) (the ratio's floor is 1 - it)")
+    need(config.algorithm.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
+    need(config.algorithm.clip_ratio_c is None or config.algorithm.clip_ratio_c > 1, "algorithm.clip_ratio_c",
+         "must be > 1 (dual clip) or null (off)")
+    need(config.algorithm.clip_range_value is None or config.algorithm.clip_range_value > 0, "algorithm.clip_range_value",
+         "must be > 0 or null (off)")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
     need(config.rollout.max_episodes_in_flight >= 0, "rollout.max_episodes_in_flight", "must be >= 0 (0 = all at once)")
     need(config.rollout.reuse_kv_max_gb > 0, "rollout.reuse_kv_max_gb",
          "must be > 0 (rollout.reuse_kv=false keeps no caches at all)")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(config.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 (the largest gradient norm; inf = no clipping)")
+    need(config.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(config.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(len(config.optim.betas) == 2 and all(0 <= b < 1 for b in config.optim.betas), "optim.betas",
          f"must be two numbers in [0, 1), AdamW's (beta1, beta2) (got {list(config.optim.betas)})")
     need(config.optim.trainable_layers >= 0, "optim.trainable_layers", "must be >= 0 (0 = every layer trains)")

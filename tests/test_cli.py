@@ -23,12 +23,31 @@ from ragen.config import ConfigError, load_config
         ("optim.betas=[0.9]", "config key 'optim.betas': must be two numbers in [0, 1)"),
         ("optim.betas=[0.9,1.5]", "config key 'optim.betas': must be two numbers in [0, 1)"),
         ("notakeyvalue", "is not key=value"),
+        # values that used to pass the config and fail mid-run with a traceback (or silently do something else)
+        ("rollout.top_k=-5", "config key 'rollout.top_k': must be >= 0"),
+        ("rollout.top_p=-1", "config key 'rollout.top_p': must be in (0, 1]"),
+        ("rollout.top_p=2", "config key 'rollout.top_p': must be in (0, 1]"),
+        ("rollout.batch_size=0", "config key 'rollout.batch_size': must be >= 1"),
+        ("seed=-1", "config key 'seed': must be in [0, 2**32)"),
+        ("algorithm.clip_ratio_c=0.5", "config key 'algorithm.clip_ratio_c': must be > 1"),
+        ("algorithm.clip_ratio_low=-1", "config key 'algorithm.clip_ratio_low': must be in [0, 1)"),
+        ("algorithm.gamma=2", "config key 'algorithm.gamma': must be in [0, 1]"),
+        ("optim.grad_clip=-1", "config key 'optim.grad_clip': must be > 0"),
+        ("trainer.log_rollouts_n=-1", "config key 'trainer.log_rollouts_n': must be >= 0"),
+        ("trainer.keep_checkpoints=-1", "config key 'trainer.keep_checkpoints': must be >= 0"),
+        ("trainer.val_freq=-1", "config key 'trainer.val_freq': must be >= 0"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, message, capsys):
     assert main(["train", "bandit", "model=tiny", override]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_sampled_validation_needs_a_positive_temperature_greedy_none(capsys):
+    assert main(["train", "bandit", "model=tiny", "trainer.val_do_sample=true", "trainer.val_temperature=0"]) == 2
+    assert "config key 'trainer.val_temperature': must be > 0" in capsys.readouterr().err
+    assert load_config("bandit", ["trainer.val_do_sample=false", "trainer.val_temperature=0"]).trainer.val_temperature == 0
 
 
 def test_bad_env_config_and_model_path_exit_2(capsys, tmp_path):

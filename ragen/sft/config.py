@@ -171,6 +171,7 @@ def validate(config: SFTConfig) -> None:
     need(config.data.eval_max >= 1, "data.eval_max", "must be >= 1")
     need(config.data.max_length >= 2, "data.max_length", "must be >= 2")
     need(config.optim.lr > 0, "optim.lr", "must be > 0")
+    need(config.optim.grad_clip > 0, "optim.grad_clip", "must be > 0 (the largest gradient norm; inf = no clipping)")
     need(config.optim.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'")
     need(0 <= config.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     need(config.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
