@@ -16,5 +16,6 @@ from ragen.envs import countdown as _countdown  # noqa: E402,F401
 from ragen.envs import sudoku as _sudoku  # noqa: E402,F401
 from ragen.envs import game2048 as _game2048  # noqa: E402,F401
 from ragen.envs import math_qa as _math_qa  # noqa: E402,F401
+from ragen.envs import textarena_adapter as _textarena  # noqa: E402,F401  (imports textarena only when made)
 
 __all__ = ["TextEnv", "build_config", "make", "register", "registered", "env_config_fields"]

@@ -181,8 +181,6 @@ def main_play(env_name: str, overrides: list[str], seed: int | None, input_fn=in
             importlib.import_module("readline")
         except ImportError:
             pass
-    if env_name == "textarena":  # optional adapter: registered on import
-        importlib.import_module("ragen.envs.textarena_adapter")
     if env_name not in ragen.envs.registered():
         raise ValueError(f"unknown env {env_name!r}; registered envs: {', '.join(sorted(ragen.envs.registered()))}")
     env_cfg, agent = preset_settings(env_name)

@@ -1,10 +1,10 @@
 """Play single-player `TextArena <https://github.com/LeonGuertler/TextArena>`_ games as a ragen env.
 
-TextArena is optional (``pip install textarena``); importing this module registers the env
-name ``"textarena"`` either way, and ``ragen.envs.make("textarena", game="GuessTheNumber-v0")``
-raises a one-line ``ValueError`` when the package is missing or the game is unknown.
+TextArena is optional (``pip install textarena``); the env name ``"textarena"`` is registered with the
+built-in envs either way (this module imports the package only when an env is made), and
+``ragen.envs.make("textarena", game="GuessTheNumber-v0")`` raises a one-line ``ValueError`` when the
+package is missing or the game is unknown.
 
-    import ragen.envs.textarena_adapter  # registers "textarena"
     env = ragen.envs.make("textarena", game="GuessTheNumber-v0")
 
 Mapping onto the ragen contract:
