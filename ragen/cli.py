@@ -191,10 +191,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(f"model={args.model!r} could not be loaded: {exc}".splitlines()[0])
     print(format_table(report))
     if args.json:
-        from ragen.files import write_text_atomic
+        from ragen.files import strict_json, write_text_atomic
 
         out = Path(args.json)
-        write_text_atomic(out, json.dumps(report, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")  # NaN -> null
         print(f"[ragen] wrote {out}")
     return 0
 

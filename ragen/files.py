@@ -8,6 +8,7 @@ partial new one; the temp name starts with ``.`` and ends in ``.tmp`` so no ``*.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import stat
@@ -81,4 +82,16 @@ def file_in_the_way(path: str | Path) -> Path | None:
     return None
 
 
-__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way"]
+def strict_json(value):
+    """``value`` (dicts, lists, numbers, ...) with every NaN or infinite float replaced by None, for a JSON file that
+    other tools read: ``json.dumps`` writes such floats as ``NaN``/``Infinity``, which strict JSON parsers reject."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way", "strict_json"]

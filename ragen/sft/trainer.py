@@ -31,7 +31,7 @@ from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.sft.preflight import check_run_dir
-from ragen.files import write_dir_atomic, write_text_atomic
+from ragen.files import strict_json, write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw
@@ -142,7 +142,7 @@ class SFTTrainer:
         if cfg.save_final:
             self.save(self.run_dir / "final")
         summary["wall_time_s"] = time.perf_counter() - start
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
         print(f"[ragen sft] eval loss after: {after.get('eval/loss', float('nan')):.4f}  run dir: {self.run_dir}  "
               f"({summary['wall_time_s']:.0f} s)", flush=True)
         return summary

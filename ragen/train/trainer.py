@@ -25,7 +25,7 @@ from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
-from ragen.files import write_text_atomic
+from ragen.files import strict_json, write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import disable_dropout
@@ -244,7 +244,7 @@ class StarPOTrainer:
         summary["wall_time_s"] = time.perf_counter() - start
         if "val_after" in summary:
             self.report_validation("after training", summary["val_after"])
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
         print(f"[ragen] run dir: {self.run_dir}  ({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
 

@@ -192,3 +192,23 @@ def test_an_env_override_the_validation_tags_would_ignore_exits_2(capsys, tmp_pa
                  "--no-baselines", "--json", str(out)]) == 0
     assert main(["eval", "tiny", "bandit", "es.tags.BanditTest.config.high_payoff=2.0", "trainer.val_episodes=1",
                  "--k", "0", "--no-baselines"]) == 0
+
+
+def test_the_json_report_is_strict_json_when_a_rate_is_undefined(tmp_path):
+    """``--k 0`` runs no sampled episodes, so a rate over them is undefined: null in the file, not ``NaN`` (which
+    ``json.dumps`` writes by default and strict parsers, JavaScript's among them, reject)."""
+    out = tmp_path / "report.json"
+    assert main(["eval", "tiny", "frozenlake_slippery_study", "trainer.val_episodes=2", "--k", "0", "--json", str(out)]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    assert report["episodes"] == 2
+
+
+def test_strict_json_replaces_non_finite_floats_at_any_depth():
+    from ragen.files import strict_json
+
+    value = {"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": (2, "x"), "e": None}
+    assert strict_json(value) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, "x"], "e": None}
