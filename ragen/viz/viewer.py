@@ -34,6 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from ragen.config import written_by_ragen
 from ragen.viz.frames import Frames, read_run_config, replay_frames
 
 __all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
@@ -530,11 +531,15 @@ def _turn_html(t: int, turn: dict, env: Any, image: str = "") -> str:
 def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
     """Write the viewer for ``run_dir`` into ``out_dir`` (default ``RUN_DIR/viewer``); return index.html.
 
-    Raises ``FileNotFoundError`` if ``run_dir`` is not a directory.
+    Raises ``FileNotFoundError`` if ``run_dir`` is not a directory or holds no run (no ``metrics.jsonl``, no
+    ``rollouts/`` and no ``config.yaml`` of a run that has just started), before writing anything.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory not found: {run}")
+    if not ((run / "metrics.jsonl").is_file() or (run / "rollouts").is_dir() or written_by_ragen(run / "config.yaml")):
+        raise FileNotFoundError(f"{run} holds no run to view (no metrics.jsonl, no rollouts/, no run's config.yaml); "
+                                "give a run directory")
     out = Path(out_dir) if out_dir is not None else run / "viewer"
     out.mkdir(parents=True, exist_ok=True)
     run_name = run.resolve().name

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ragen.cli import main
+from ragen.config import RUN_CONFIG_HEADER
 from ragen.viz.viewer import build_site, parse_grid, split_response
 
 CHROMIUM = "/usr/bin/chromium"
@@ -130,12 +131,17 @@ def test_split_response_and_grid_parsing():
 def test_missing_run_dir_and_empty_run(tmp_path, capsys):
     with pytest.raises(FileNotFoundError):
         build_site(tmp_path / "nope")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    index = build_site(empty)
+    started = tmp_path / "started"  # a run that has written only its config.yaml so far
+    started.mkdir()
+    (started / "config.yaml").write_text(RUN_CONFIG_HEADER + "model: tiny\n")
+    index = build_site(started)
     assert "No steps logged yet" in index.read_text()
     assert main(["view", str(tmp_path / "nope")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+    empty = tmp_path / "empty"  # not a run: refused, and nothing is written into it
+    empty.mkdir()
+    assert main(["view", str(empty)]) == 2
+    assert "holds no run to view" in capsys.readouterr().err and not any(empty.iterdir())
 
 
 def test_cli_view(run_dir, tmp_path, capsys):
