@@ -311,6 +311,10 @@ class RunConfig:
 def _friendly(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = str(exc).splitlines()[0]
+    if key and "is not a ListConfig, TupleConfig, list, or tuple" in msg:  # OmegaConf's words for a scalar given
+        msg = f"expects a list, e.g. {key}=[a,b] (got one value)"
+    elif key and msg.startswith("Incompatible value 'None' for field of type 'str'"):  # `key=` reads as null
+        msg = f"expects text (for an empty one write {key}='')"
     return f"config key {key!r}: {msg}" if key else msg
 
 
@@ -400,6 +404,12 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         elif preset.endswith((".yaml", ".yml")):
             raise ConfigError(f"config file not found: {preset}")
         else:  # an env name without a preset: defaults with that env
+            import ragen.envs
+
+            if preset not in ragen.envs.registered():
+                presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+                raise ConfigError(f"{preset!r} is neither a preset ({', '.join(presets)}), a YAML file nor an env "
+                                  f"({', '.join(sorted(ragen.envs.registered()))})")
             layers.append(OmegaConf.create({"env": {"name": preset}}))
     for item in overrides:
         if "=" not in item:

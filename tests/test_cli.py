@@ -44,6 +44,17 @@ def test_bad_config_exits_2_naming_the_key(override, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_scalar_for_a_list_empty_text_and_a_preset_typo_say_what_to_write(capsys):
+    assert main(["train", "bandit", "model=tiny", "trainer.logger=tensorboard"]) == 2
+    assert "config key 'trainer.logger': expects a list, e.g. trainer.logger=[a,b]" in capsys.readouterr().err
+    assert main(["train", "bandit", "model=tiny", "agent.action_sep="]) == 2
+    assert "write agent.action_sep=''" in capsys.readouterr().err
+    assert load_config("bandit", ["agent.action_sep=''"]).agent.action_sep == ""
+    assert main(["train", "bandt", "model=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "'bandt' is neither a preset (bandit," in err and "an env (bandit," in err
+
+
 def test_sampled_validation_needs_a_positive_temperature_greedy_none(capsys):
     assert main(["train", "bandit", "model=tiny", "trainer.val_do_sample=true", "trainer.val_temperature=0"]) == 2
     assert "config key 'trainer.val_temperature': must be > 0" in capsys.readouterr().err
