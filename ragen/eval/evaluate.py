@@ -252,6 +252,11 @@ def _cell(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _percent(value: Any) -> str:
+    """A share as ``12.5 %``; ``-`` where it is undefined (NaN, or null in a report read back from ``--json``)."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f} %"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table: the model greedy and sampled, then the baselines, same seeds (one per validation set)."""
     if "tags" in report:
@@ -282,9 +287,9 @@ def format_table(report: dict[str, Any]) -> str:
     opt = report.get("optimality")
     if opt:
         lines.append(f"{'model, greedy, value':<24}{_cell(opt['value_estimate']):>9} +- {_cell(opt['value_estimate_se'])}"
-                     f" = {100 * opt['ratio_to_optimum']:.1f} % of the optimum {_cell(opt['optimum'])}"
+                     f" = {_percent(opt['ratio_to_optimum'])} of the optimum {_cell(opt['optimum'])}"
                      f" (success {_cell(opt['success'])} +- {_cell(opt['success_se'])};"
-                     f" optimal moves {100 * opt['optimal_move_rate']:.1f} %)")
+                     f" optimal moves {_percent(opt['optimal_move_rate'])})")
     lines.append("")
     lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
                  f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
