@@ -113,6 +113,18 @@ def _outcome_outputs(seq_adv: Tensor, scores: Tensor, inp: AdvantageInputs) -> A
     return AdvantageOutputs(advantages, advantages.clone(), metrics)
 
 
+def _fp64(x: Tensor) -> Tensor:
+    """The critic estimators' chains run in fp64 (on the CPU, cheap at (B, T)): in fp32 the reverse sum over T tokens
+    accumulates ~T·1e-7·|V| of rounding, so returns that are equal (every reward 0, say) came out varying with the
+    critic's values (an explained variance of ~-1e11 on 2 000-token episodes)."""
+    return x.double() if x.is_floating_point() and x.device.type != "mps" else x
+
+
+def _as(like: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` in ``like``'s dtype (the results of an fp64 chain, back in the critic's dtype)."""
+    return tuple(t.to(like.dtype) for t in tensors)
+
+
 def _token_outputs(advantages: Tensor, returns: Tensor, inp: AdvantageInputs) -> AdvantageOutputs:
     """Outputs of a token-level estimator, with the shared metrics."""
     scores = sequence_scores(inp.token_rewards)  # (B,)
@@ -297,10 +309,11 @@ def gae(inp: AdvantageInputs) -> AdvantageOutputs:
     """
     _require(inp, "gae", "values")
     mask = inp.response_mask.bool()
-    raw = masked_gae(inp.token_rewards, inp.values, mask, inp.gamma, inp.lam)  # (B, T)
-    returns = torch.where(mask, raw + inp.values, 0.0)  # (B, T)
+    rewards, values = _fp64(inp.token_rewards), _fp64(inp.values)
+    raw = masked_gae(rewards, values, mask, inp.gamma, inp.lam)  # (B, T)
+    returns = torch.where(mask, raw + values, 0.0)  # (B, T)
     advantages = _batch_normalize(raw, mask, inp.norm_adv_by_std, inp.eps)
-    return _token_outputs(advantages, returns, inp)
+    return _token_outputs(*_as(inp.values, advantages, returns), inp)
 
 
 def effective_turn_ends(turn_ends: Tensor | None, response_mask: Tensor) -> Tensor:
@@ -336,11 +349,12 @@ def bi_level_gae(inp: AdvantageInputs) -> AdvantageOutputs:
     _require(inp, "bi_level_gae", "values", "turn_ends")
     mask = inp.response_mask.bool()
     ends = effective_turn_ends(inp.turn_ends, mask)  # (B, T)
-    turn_adv = masked_gae(inp.token_rewards, inp.values, ends, inp.high_level_gamma, inp.lam)  # (B, T) A^H at ends
-    raw = masked_gae(inp.token_rewards, inp.values, mask, inp.gamma, inp.lam, fixed=ends, fixed_adv=turn_adv)
-    returns = torch.where(mask, raw + inp.values, 0.0)
+    rewards, values = _fp64(inp.token_rewards), _fp64(inp.values)
+    turn_adv = masked_gae(rewards, values, ends, inp.high_level_gamma, inp.lam)  # (B, T) A^H at ends
+    raw = masked_gae(rewards, values, mask, inp.gamma, inp.lam, fixed=ends, fixed_adv=turn_adv)
+    returns = torch.where(mask, raw + values, 0.0)
     advantages = _batch_normalize(raw, mask, inp.norm_adv_by_std, inp.eps)
-    return _token_outputs(advantages, returns, inp)
+    return _token_outputs(*_as(inp.values, advantages, returns), inp)
 
 
 # ---------------------------------------------------------------------------------------------

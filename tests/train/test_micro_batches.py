@@ -111,7 +111,8 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
         for step, whole in zip(grads, whole_grads):
             assert step.keys() == whole.keys()
             for name, g in whole.items():
-                assert (step[name] - g).norm() <= 1e-4 * g.norm() + 1e-12, (size, name, (step[name] - g).norm() / g.norm())
+                # fp32 sums in other groupings: up to ~1.0e-4 relative seen at micro-batch 1 (seq-mean-token-mean)
+                assert (step[name] - g).norm() <= 2e-4 * g.norm() + 1e-12, (size, name, (step[name] - g).norm() / g.norm())
         assert metrics.keys() == whole_metrics.keys()
         for key, value in whole_metrics.items():
             if key.startswith("time/"):
@@ -167,3 +168,26 @@ def test_the_updates_explained_variance_pools_the_sums_of_all_its_optimizer_step
     pooled = {k: sum(step[k] for step in steps) for k in steps[0]}
     assert metrics["critic/explained_variance"] == pytest.approx(ExplainedVarianceSums.from_metrics(pooled), rel=1e-12)
     assert torch.isfinite(torch.tensor(metrics["critic/explained_variance"]))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "bi_level_gae"])
+def test_equal_returns_of_long_episodes_stay_equal(estimator):
+    """The critic estimators' chains sum over every response token; in fp32 that left ~T·1e-7·|V| of rounding in
+    returns that are equal, and a 2 000-token episode logged an explained variance of ~-5e11. In fp64 they stay
+    equal to fp32 precision: the explained variance is undefined (NaN), as for any constant returns."""
+    from ragen.algos import AdvantageInputs, get_adv_estimator
+    from ragen.train.trainer import ExplainedVarianceSums
+
+    torch.manual_seed(0)
+    B, T = 8, 2048
+    values = torch.randn(B, T)
+    mask = torch.ones(B, T)
+    turn_ends = torch.zeros(B, T, dtype=torch.bool)
+    turn_ends[:, 511::512] = True
+    out = get_adv_estimator(estimator)(AdvantageInputs(torch.zeros(B, T), mask, torch.arange(B), values=values,
+                                                       turn_ends=turn_ends, gamma=1.0, lam=1.0, high_level_gamma=1.0))
+    assert out.returns.dtype == torch.float32 and out.advantages.dtype == torch.float32
+    assert out.returns.abs().max() < 1e-5  # every return is 0
+    sums = ExplainedVarianceSums()
+    sums.add(out.returns, values, mask)
+    assert torch.isnan(torch.tensor(ExplainedVarianceSums.from_metrics(sums.as_metrics())))
