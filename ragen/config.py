@@ -312,7 +312,7 @@ def _friendly(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = str(exc).splitlines()[0]
     if key and "is not a ListConfig, TupleConfig, list, or tuple" in msg:  # OmegaConf's words for a scalar given
-        msg = f"expects a list, e.g. {key}=[a,b] (got one value)"
+        msg = f"expects a list, written [...] ({key}=[...] on the command line; got one value)"
     elif key and msg.startswith("Incompatible value 'None' for field of type 'str'"):  # `key=` reads as null
         msg = f"expects text (for an empty one write {key}='')"
     return f"config key {key!r}: {msg}" if key else msg
@@ -567,7 +567,7 @@ def validate(config: RunConfig) -> None:
     need(config.algorithm.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = the whole batch)")
     for key in ("gamma", "lam", "high_level_gamma"):
         need(0 <= getattr(config.algorithm, key) <= 1, f"algorithm.{key}", "must be in [0, 1]")
-    need(0 <= config.algorithm.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1) (the ratio's floor is 1 - it)")
+    need(0 <= config.algorithm.clip_ratio_low <= 1, "algorithm.clip_ratio_low", "must be in [0, 1] (the ratio's floor is 1 - it)")
     need(config.algorithm.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
     need(config.algorithm.clip_ratio_c is None or config.algorithm.clip_ratio_c > 1, "algorithm.clip_ratio_c",
          "must be > 1 (dual clip) or null (off)")

@@ -30,7 +30,7 @@ from ragen.config import ConfigError, load_config
         ("rollout.batch_size=0", "config key 'rollout.batch_size': must be >= 1"),
         ("seed=-1", "config key 'seed': must be in [0, 2**32)"),
         ("algorithm.clip_ratio_c=0.5", "config key 'algorithm.clip_ratio_c': must be > 1"),
-        ("algorithm.clip_ratio_low=-1", "config key 'algorithm.clip_ratio_low': must be in [0, 1)"),
+        ("algorithm.clip_ratio_low=-1", "config key 'algorithm.clip_ratio_low': must be in [0, 1]"),
         ("algorithm.gamma=2", "config key 'algorithm.gamma': must be in [0, 1]"),
         ("optim.grad_clip=-1", "config key 'optim.grad_clip': must be > 0"),
         ("trainer.log_rollouts_n=-1", "config key 'trainer.log_rollouts_n': must be >= 0"),
@@ -46,7 +46,7 @@ def test_bad_config_exits_2_naming_the_key(override, message, capsys):
 
 def test_scalar_for_a_list_empty_text_and_a_preset_typo_say_what_to_write(capsys):
     assert main(["train", "bandit", "model=tiny", "trainer.logger=tensorboard"]) == 2
-    assert "config key 'trainer.logger': expects a list, e.g. trainer.logger=[a,b]" in capsys.readouterr().err
+    assert "config key 'trainer.logger': expects a list, written [...] (trainer.logger=[...]" in capsys.readouterr().err
     assert main(["train", "bandit", "model=tiny", "agent.action_sep="]) == 2
     assert "write agent.action_sep=''" in capsys.readouterr().err
     assert load_config("bandit", ["agent.action_sep=''"]).agent.action_sep == ""
