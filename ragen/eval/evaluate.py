@@ -291,8 +291,11 @@ def format_table(report: dict[str, Any]) -> str:
                      f" (success {_cell(opt['success'])} +- {_cell(opt['success_se'])};"
                      f" optimal moves {_percent(opt['optimal_move_rate'])})")
     lines.append("")
-    lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
-                 f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
+    if report.get("sampled"):
+        lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
+                     f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
+    else:  # --k 0: no sampled row, no pass@k
+        lines.append("success: greedy decoding; valid = format-valid turn rate.")
     if opt:
         lines.append("value: the greedy policy's success probability estimated from its moves' regret against "
                      "the exact optimum (performance-difference identity, ragen/eval/optimality.py), +- one standard error.")

@@ -194,7 +194,7 @@ def test_an_env_override_the_validation_tags_would_ignore_exits_2(capsys, tmp_pa
                  "--k", "0", "--no-baselines"]) == 0
 
 
-def test_the_json_report_is_strict_json_when_a_rate_is_undefined(tmp_path):
+def test_the_json_report_is_strict_json_when_a_rate_is_undefined(tmp_path, capsys):
     """``--k 0`` runs no sampled episodes, so a rate over them is undefined: null in the file, not ``NaN`` (which
     ``json.dumps`` writes by default and strict parsers, JavaScript's among them, reject)."""
     out = tmp_path / "report.json"
@@ -205,6 +205,8 @@ def test_the_json_report_is_strict_json_when_a_rate_is_undefined(tmp_path):
 
     report = json.loads(out.read_text(), parse_constant=refuse)
     assert report["episodes"] == 2
+    table = capsys.readouterr().out  # no sampled row, so no legend for one
+    assert "success: greedy decoding; valid = format-valid turn rate." in table and "model sampled row" not in table
 
 
 def test_strict_json_replaces_non_finite_floats_at_any_depth():
