@@ -35,6 +35,18 @@ def note_lost_env_settings(config) -> None:
               file=sys.stderr)
 
 
+def run_era_overrides(config_yaml: str) -> list[str]:
+    """Overrides that keep a resumed run on the behaviour it was trained with when its ``config.yaml`` predates a
+    key whose default changed it: ``algorithm.disable_dropout`` (stop 38) defaults to true, but a run written
+    before it trained with the model's own dropout on."""
+    from omegaconf import OmegaConf
+
+    from ragen.config import load_yaml_mapping
+
+    saved = load_yaml_mapping(config_yaml)
+    return [] if OmegaConf.select(saved, "algorithm.disable_dropout") is not None else ["algorithm.disable_dropout=false"]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ragen.config import ConfigError, load_config, result_changing_differences
 
@@ -57,9 +69,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif not preset:
         return _fail("train needs an env preset or a YAML config (or --resume RUN_DIR)")
     try:
+        before = []  # settings a resumed run had without its config.yaml naming them (it predates the key)
+        if args.resume:
+            before = run_era_overrides(preset)
+            overrides = before + overrides
         config = load_config(preset, overrides)
         if args.resume:
-            changed = result_changing_differences(load_config(preset), config)
+            changed = result_changing_differences(load_config(preset, before), config)
             if changed and not args.force:
                 return _fail(f"--resume with a config that changes results ({', '.join(changed)}); pass --force to accept")
     except ConfigError as exc:

@@ -142,6 +142,24 @@ def test_resume_refuses_result_changing_config_without_force(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
 
 
+def test_a_run_from_before_disable_dropout_resumes_with_dropout_as_it_trained(tmp_path, capsys):
+    """A config.yaml written before ``algorithm.disable_dropout`` existed was trained with the model's own dropout on:
+    its resume keeps it on (and records it), and turning it off then is a result-changing override."""
+    import yaml
+
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={run}", *ARGS]) == 0
+    saved = run / "config.yaml"
+    header, body = saved.read_text().split("\n", 1)
+    old = yaml.safe_load(body)
+    del old["algorithm"]["disable_dropout"]
+    saved.write_text(header + "\n" + yaml.safe_dump(old))
+    assert main(["train", "--resume", str(run), "algorithm.disable_dropout=true"]) == 2
+    assert "changes results (algorithm.disable_dropout)" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "trainer.total_steps=2", "trainer.plot=false"]) == 0
+    assert yaml.safe_load(saved.read_text().split("\n", 1)[1])["algorithm"]["disable_dropout"] is False
+
+
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     no_periodic_saves = [a for a in ARGS if not a.startswith("trainer.save_freq")] + ["trainer.save_freq=0"]
