@@ -313,7 +313,7 @@ class StarPOTrainer:
         # per optimizer step, averaged; the explained variance from the steps' pooled sums (exact over the update)
         ev_sums = {k: sum(h.pop(k) for h in history) for k in list(history[0]) if k.startswith(EV_PREFIX)}
         metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
-        if ev_sums:
+        if self.value_head is not None:
             metrics["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(ev_sums)
         metrics["actor/backward_skipped"] = float(zero_gradient)
         metrics.update(adv.metrics)
@@ -444,9 +444,8 @@ class StarPOTrainer:
                 p.grad = torch.zeros_like(p)
         else:
             all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
+        # the explained-variance sums (EV_PREFIX keys) go back with the metrics: update() pools them over its steps
         sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
-        if self.value_head is not None:  # this step's; the sums stay in for update() to pool over its steps
-            sums["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(dict(sums))
         grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
         self.optimizer.step()
         self.scheduler.step()
