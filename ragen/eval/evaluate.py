@@ -246,15 +246,20 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
     return report
 
 
+def _undefined(value: Any) -> bool:
+    """NaN, or null in a report read back from ``--json``: shown as ``-``."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _cell(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _undefined(value):
         return "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def _percent(value: Any) -> str:
-    """A share as ``12.5 %``; ``-`` where it is undefined (NaN, or null in a report read back from ``--json``)."""
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f} %"
+    """A share as ``12.5 %``, or ``-`` where it is undefined."""
+    return "-" if _undefined(value) else f"{100 * value:.1f} %"
 
 
 def format_table(report: dict[str, Any]) -> str:
