@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import gymnasium as gym
+import numpy as np
 
 from ragen.agent.context import ChatTokens, PromptFormat
 from ragen.agent.parser import ParsedResponse, parse_response
 from ragen.agent.rewards import extract_prediction, prediction_matches, think_is_well_formed
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.envs.base import GROUP_MEMBER_OPTION
+from ragen.envs.contract import (EnvContractError, checked_action_id, checked_reset, checked_step, describe_failure,
+                                  interface_problem)
 from ragen.models.backend import SamplingParams
 
 
@@ -195,13 +198,15 @@ class Rollout:
         settings = protocol.settings
         traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed, tag=tag, group_member=member)
         try:
-            observation, _ = env.reset(seed=seed, options={GROUP_MEMBER_OPTION: member})
+            observation, _ = checked_reset(env, env.reset(seed=seed, options={GROUP_MEMBER_OPTION: member}))
+            instructions = settings.instructions or env.unwrapped.instructions
+            if not isinstance(instructions, str):
+                raise EnvContractError(interface_problem(env) or "instructions are not text")
         except Exception as exc:  # an env bug must not kill the run
-            traj.error, traj.done = f"reset raised {exc!r}\n{traceback.format_exc(limit=3)}", True
+            _env_failed(traj, "reset", exc)
             return _Episode(env, traj, [], None, protocol)
         limit = settings.max_actions_per_traj
         actions_left = limit if limit > 0 else None
-        instructions = settings.instructions or env.unwrapped.instructions
         user = protocol.format.first_user_message(instructions, observation, 1, actions_left)
         messages = ([{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else [])
         messages.append({"role": "user", "content": user})
@@ -225,7 +230,11 @@ class Rollout:
             action_sep=settings.action_sep,
         )
         env = ep.env.unwrapped
-        action_ids = [env.parse_action(a) for a in parsed.actions]
+        try:
+            action_ids = [checked_action_id(env, a, env.parse_action(a)) for a in parsed.actions]
+        except Exception as exc:  # the episode ends with the error; its turn is still recorded
+            _env_failed(traj, "parse_action", exc)
+            action_ids = []
         feedback = ""
         if parsed.format_valid and None in action_ids:
             bad = parsed.actions[action_ids.index(None)]
@@ -233,7 +242,7 @@ class Rollout:
         if ep.actions_left is not None:
             action_ids = action_ids[: ep.actions_left]
         turn = Turn(response=text, actions=parsed.actions, format_valid=parsed.format_valid, env_reward=0.0, format_penalty=0.0)
-        if parsed.format_valid:
+        if parsed.format_valid and not traj.error:
             ep.observation = self._step(ep, action_ids, turn)
         else:
             turn.format_penalty = settings.format_penalty
@@ -266,15 +275,16 @@ class Rollout:
         traj, observation = ep.traj, ep.observation
         for action_id in action_ids:
             try:
-                observation, reward, terminated, truncated, info = ep.env.step(action_id)
+                observation, reward, terminated, truncated, info = checked_step(ep.env, ep.env.step(action_id))
+                effective, success = bool(info.get("action_is_effective", True)), bool(info.get("success", False))
             except Exception as exc:  # reported in the trajectory and the metrics, not fatal
-                traj.error, traj.done = f"step raised {exc!r}\n{traceback.format_exc(limit=3)}", True
+                _env_failed(traj, "step", exc)
                 return observation
-            turn.env_reward += float(reward)
+            turn.env_reward += reward
             turn.actions_executed += 1
-            turn.actions_effective += int(bool(info.get("action_is_effective", True)))
-            turn.info.update({k: v for k, v in info.items() if isinstance(v, (bool, int, float, str))})
-            traj.success = bool(info.get("success", False))
+            turn.actions_effective += int(effective)
+            turn.info.update(plain_info(info))
+            traj.success = success
             if ep.actions_left is not None:
                 ep.actions_left -= 1
             if terminated or truncated:
@@ -299,6 +309,27 @@ class Rollout:
     def _append(traj: Trajectory, ids: list[int], model_wrote: bool) -> None:
         traj.input_ids.extend(ids)
         traj.loss_mask.extend([int(model_wrote)] * len(ids))
+
+
+def _env_failed(traj: Trajectory, method: str, exc: BaseException) -> None:
+    """End ``traj`` with the error of an env call (reported in the trajectory and the metrics, not fatal to the run):
+    a broken contract's own sentence, or the exception with the last frames of its traceback."""
+    text = describe_failure(method, exc)
+    if not isinstance(exc, EnvContractError):
+        text += "\n" + "".join(traceback.format_exception(exc, limit=-3))
+    traj.error, traj.done = text, True
+
+
+def plain_info(info: dict) -> dict:
+    """The entries of a ``step`` info that a turn keeps (logged, ``metric/*`` averaged): text, bools and real numbers,
+    NumPy scalars as their Python values (``np.float32(0.5)`` -> ``0.5``)."""
+    out = {}
+    for key, value in info.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, (bool, int, float, str)):
+            out[key] = value
+    return out
 
 
 def group_members(group_ids: Sequence[int]) -> list[int]:

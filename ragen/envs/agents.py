@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import ragen.envs
+from ragen.envs.contract import checked_action_id, checked_reset, checked_step
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,7 @@ def run_episode(
     (the observation the agent answered).
     """
     raw = env.unwrapped
-    observation, _ = env.reset(seed=seed)
+    observation, _ = checked_reset(env, env.reset(seed=seed))
     begin_episode(agent, env, seed, Budget(max_turns, max_actions_per_turn, max_actions))
     reward, steps, turns, invalid, success, done = 0.0, 0, 0, 0, False, False
     transcript: list[dict[str, Any]] = []
@@ -319,14 +320,14 @@ def run_episode(
         actions = list(agent.act(env))
         if max_actions_per_turn is not None:
             actions = actions[: max(1, max_actions_per_turn)]
-        ids = [raw.parse_action(a) for a in actions]
+        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
         turn_reward = 0.0
         seen = observation
         if not actions or None in ids:
             invalid += 1
         else:
             for action_id in ids if max_actions is None else ids[: max(0, max_actions - steps)]:
-                observation, r, terminated, truncated, info = env.step(action_id)
+                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
                 steps += 1
                 turn_reward += float(r)
                 success = bool(info.get("success", False))
@@ -399,7 +400,7 @@ def record_conversation(
     settings = settings or AgentSettings()
     fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
     raw = env.unwrapped
-    observation, _ = env.reset(seed=seed)
+    observation, _ = checked_reset(env, env.reset(seed=seed))
     begin_episode(agent, env, seed, Budget.from_settings(settings))
     limit = settings.max_actions_per_traj
     actions_left = limit if limit > 0 else None
@@ -413,7 +414,7 @@ def record_conversation(
         rationale = think(env, actions) if callable(think) else think
         reply = f"<think>{rationale}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
         messages.append({"role": "assistant", "content": reply})
-        ids = [raw.parse_action(a) for a in actions]
+        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
         reward, feedback, done = 0.0, "", False
         if not actions or None in ids:
             bad = actions[ids.index(None)] if actions else ""
@@ -421,7 +422,7 @@ def record_conversation(
             reward = settings.format_penalty
         else:
             for action_id in ids if actions_left is None else ids[:actions_left]:
-                observation, r, terminated, truncated, info = env.step(action_id)
+                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
                 reward += float(r)
                 success = bool(info.get("success", False))
                 if actions_left is not None:

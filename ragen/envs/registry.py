@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
+from ragen.envs.contract import interface_problem
+
 _REGISTRY: dict[str, Callable[..., gym.Env]] = {}
 
 
@@ -23,10 +25,15 @@ def register(name: str, factory: Callable[..., gym.Env] | None = None):
 
 
 def make(name: str, **cfg: Any) -> gym.Env:
-    """Build the env registered as ``name`` with keyword config ``cfg``."""
+    """Build the env registered as ``name`` with keyword config ``cfg``; ``TypeError`` if it lacks the text interface
+    the agent layer reads (:func:`ragen.envs.contract.interface_problem`)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown env {name!r}; registered envs: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**cfg)
+    env = _REGISTRY[name](**cfg)
+    problem = interface_problem(env)
+    if problem:
+        raise TypeError(f"env {name!r}: {problem}")
+    return env
 
 
 def registered() -> dict[str, Callable[..., gym.Env]]:

@@ -100,6 +100,8 @@ class EnvTag:
             return ragen.envs.make(self.env, **self.config)
         except (ValueError, TypeError) as exc:
             raise TagError(f"env tag {self.name!r}: {exc}") from None
+        except Exception as exc:  # a user env's constructor failing otherwise: one line naming the tag, not a traceback
+            raise TagError(f"env tag {self.name!r}: building the env raised {exc!r}") from None
 
     def horizon(self) -> dict[str, Any]:
         """The agent-setting overrides this tag sets (fields left ``None`` are not included)."""

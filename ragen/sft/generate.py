@@ -162,7 +162,12 @@ def _expert_episodes(config: RunConfig, env: Any, settings: AgentSettings, n: in
             continue
         seen.add(seed)
         played += 1
-        episode = record_conversation(env, expert, seed=seed, settings=settings, think=think)
+        try:
+            episode = record_conversation(env, expert, seed=seed, settings=settings, think=think)
+        except ValueError:  # a broken env contract, or the env or expert refusing: already one clear line
+            raise
+        except Exception as exc:  # anything else a user env raises: one line naming the seed (the CLI prints it)
+            raise ValueError(f"{type(env.unwrapped).__name__} seed {seed}: the expert's episode raised {exc!r}") from exc
         stats["played"] = played
         stats["succeeded"] = stats["succeeded"] + int(episode["success"])
         if episode["success"] or keep_failures:

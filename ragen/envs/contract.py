@@ -1,0 +1,123 @@
+"""What ragen reads from an env, checked where it reads it.
+
+A user's env (``ragen.envs.register``) may break gymnasium's API in ways Python only notices later: a reward
+that is a string, an ``info`` that is None, a dict observation that fails in the update three stages on.
+ragen checks each value where it takes it and raises :class:`EnvContractError` with a sentence naming the
+env and what was wrong; the rollout reports it as that episode's error (like an exception raised inside
+``step``) and the run goes on.
+
+What is checked (the contract in :mod:`ragen.envs.base`):
+
+* at construction (:func:`interface_problem`): ``instructions`` is a ``str`` and ``parse_action`` is callable;
+* ``reset`` returns ``(observation, info)`` with a ``str`` observation and a ``dict`` info;
+* ``step`` returns ``(observation, reward, terminated, truncated, info)`` with a ``str`` observation, a finite
+  real reward (Python or NumPy number; ``bool`` counts as 0/1), flags that ``bool()`` accepts and a ``dict`` info;
+* ``parse_action`` returns an ``int`` (NumPy integers too) or None.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+
+class EnvContractError(ValueError):
+    """An env returned something ragen cannot use; the message names the env and the value."""
+
+
+def _name(env: Any) -> str:
+    return type(getattr(env, "unwrapped", env)).__name__
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def _a(value: Any) -> str:
+    """``value``'s type name after its article: "a dict", "an int"."""
+    kind = _kind(value)
+    return f"{'an' if kind[:1].lower() in 'aeiou' or kind == 'ndarray' else 'a'} {kind}"
+
+
+def interface_problem(env: Any) -> str | None:
+    """Why ``env`` lacks what the agent layer reads besides gymnasium's API, or None."""
+    raw = getattr(env, "unwrapped", env)
+    instructions = getattr(raw, "instructions", None)
+    if not isinstance(instructions, str):
+        return (f"{_name(env)} has no text `instructions` (got {_kind(instructions)}): ragen envs set a str "
+                "`instructions` attribute, e.g. by subclassing ragen.envs.base.TextEnv")
+    if not callable(getattr(raw, "parse_action", None)):
+        return f"{_name(env)} has no `parse_action(text) -> int | None` method (ragen.envs.base.TextEnv has one)"
+    return None
+
+
+def _observation(env: Any, method: str, observation: Any) -> str:
+    if not isinstance(observation, str):
+        shown = f" of shape {tuple(observation.shape)}" if isinstance(observation, np.ndarray) else ""
+        raise EnvContractError(f"{_name(env)}.{method} returned {_a(observation)}{shown} observation; "
+                               "ragen envs return text (str) observations")
+    return observation
+
+
+def _info(env: Any, method: str, info: Any) -> dict:
+    if not isinstance(info, dict):
+        raise EnvContractError(f"{_name(env)}.{method} returned info of type {_kind(info)}; gymnasium's API returns a dict")
+    return info
+
+
+def _tuple(env: Any, method: str, result: Any, length: int, fields: str) -> tuple:
+    if not isinstance(result, tuple) or len(result) != length:
+        got = f"a {len(result)}-tuple" if isinstance(result, tuple) else _a(result)
+        raise EnvContractError(f"{_name(env)}.{method} returned {got}; gymnasium's API returns {fields}")
+    return result
+
+
+def checked_reset(env: Any, result: Any) -> tuple[str, dict]:
+    """``env.reset(...)``'s ``result`` as ``(observation, info)``, or :class:`EnvContractError`."""
+    observation, info = _tuple(env, "reset", result, 2, "(observation, info)")
+    return _observation(env, "reset", observation), _info(env, "reset", info)
+
+
+def checked_reward(env: Any, reward: Any) -> float:
+    """``reward`` as a finite float, or :class:`EnvContractError` (a 0-d NumPy array is not accepted: ``.item()`` it)."""
+    if not isinstance(reward, numbers.Real):
+        raise EnvContractError(f"{_name(env)}.step returned {_a(reward)} reward ({reward!r:.60}); "
+                               "rewards are real numbers")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise EnvContractError(f"{_name(env)}.step returned a non-finite reward ({value})")
+    return value
+
+
+def _flag(env: Any, name: str, value: Any) -> bool:
+    try:
+        return bool(value)
+    except Exception:  # a NumPy array of several values, an object whose __bool__ raises
+        raise EnvContractError(f"{_name(env)}.step returned `{name}` = {value!r:.60}, which is not a truth value") from None
+
+
+def checked_step(env: Any, result: Any) -> tuple[str, float, bool, bool, dict]:
+    """``env.step(action)``'s ``result`` as ``(observation, reward, terminated, truncated, info)``, or
+    :class:`EnvContractError`."""
+    observation, reward, terminated, truncated, info = _tuple(
+        env, "step", result, 5, "(observation, reward, terminated, truncated, info)")
+    return (_observation(env, "step", observation), checked_reward(env, reward), _flag(env, "terminated", terminated),
+            _flag(env, "truncated", truncated), _info(env, "step", info))
+
+
+def checked_action_id(env: Any, text: str, action_id: Any) -> int | None:
+    """``parse_action(text)``'s result as an int or None, or :class:`EnvContractError`."""
+    if action_id is None:
+        return None
+    if isinstance(action_id, bool) or not isinstance(action_id, numbers.Integral):
+        raise EnvContractError(f"{_name(env)}.parse_action({text!r:.40}) returned {_a(action_id)}; "
+                               "it returns an int action id or None")
+    return int(action_id)
+
+
+def describe_failure(method: str, exc: BaseException) -> str:
+    """One line for an env call that failed: the contract's own sentence, else ``{method} raised {exc!r}``."""
+    return str(exc) if isinstance(exc, EnvContractError) else f"{method} raised {exc!r}"

@@ -1,0 +1,149 @@
+"""An env that breaks gymnasium's API ends its own episode with a clear error; the rollout, the metrics and the
+batch builder go on (ragen/envs/contract.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ragen.agent import AgentSettings, Rollout
+from ragen.envs import make, register
+from ragen.envs.agents import ExpertAgent, RandomAgent, record_conversation, run_episode
+from ragen.envs.contract import EnvContractError, checked_reward, checked_step, interface_problem
+from ragen.eval.metrics import episode_metrics
+from ragen.models.backend import SamplingParams
+from ragen.train.batch import collate
+from tests.agent.test_mixed_rollout import ReplyBackend, WalkEnv
+
+ANSWER = "<think>t</think><answer>Right</answer>"
+
+
+class BrokenWalk(WalkEnv):
+    """WalkEnv whose ``mode`` breaks one part of the contract from the first ``step`` on (or at ``reset``)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def reset(self, *, seed=None, options=None):
+        observation, info = super().reset(seed=seed, options=options)
+        if self.mode == "reset_dict_obs":
+            return {"pos": 0}, info
+        if self.mode == "reset_not_tuple":
+            return observation
+        return observation, info
+
+    def parse_action(self, text):
+        if self.mode == "parse_raises":
+            raise KeyError(text)
+        if self.mode == "parse_str":
+            return "2"
+        if self.mode == "parse_np_int":
+            return np.int64(super().parse_action(text))
+        return super().parse_action(text)
+
+    def step(self, action):
+        observation, reward, terminated, truncated, info = super().step(action)
+        broken = {
+            "reward_str": lambda: (observation, "one", terminated, truncated, info),
+            "reward_array": lambda: (observation, np.array([1.0, 2.0]), terminated, truncated, info),
+            "reward_nan": lambda: (observation, math.nan, terminated, truncated, info),
+            "info_none": lambda: (observation, reward, terminated, truncated, None),
+            "obs_dict": lambda: ({"pos": self.pos}, reward, terminated, truncated, info),
+            "obs_array": lambda: (np.zeros((2, 2)), reward, terminated, truncated, info),
+            "four_tuple": lambda: (observation, reward, terminated, info),
+            "flag_array": lambda: (observation, reward, np.array([True, False]), truncated, info),
+        }
+        return broken[self.mode]() if self.mode in broken else (observation, reward, terminated, truncated, info)
+
+
+BREAKING = {  # mode -> words the episode's error must contain
+    "reset_dict_obs": "BrokenWalk.reset returned a dict observation",
+    "reset_not_tuple": "BrokenWalk.reset returned a str",
+    "parse_raises": "parse_action raised KeyError",
+    "parse_str": "parse_action('Right') returned a str",
+    "reward_str": "returned a str reward ('one')",
+    "reward_array": "returned an ndarray reward",
+    "reward_nan": "non-finite reward (nan)",
+    "info_none": "returned info of type NoneType",
+    "obs_dict": "BrokenWalk.step returned a dict observation",
+    "obs_array": "an ndarray of shape (2, 2) observation",
+    "four_tuple": "BrokenWalk.step returned a 4-tuple",
+    "flag_array": "`terminated` = array([ True, False])",
+}
+
+
+def _rollout(tokenizer, envs, max_turn=2):
+    backend = ReplyBackend(tokenizer, lambda text, i: ANSWER)
+    n = len(envs)
+    return Rollout(backend, tokenizer, AgentSettings(max_turn=max_turn), SamplingParams()).run(
+        envs, [0] * n, list(range(n)), ["walk"] * n)
+
+
+@pytest.mark.parametrize("mode", sorted(BREAKING))
+def test_a_broken_env_ends_its_own_episode_with_a_clear_error(tokenizer, mode):
+    trajs = _rollout(tokenizer, [BrokenWalk(mode), WalkEnv()])
+    broken, healthy = trajs
+    assert broken.done and BREAKING[mode] in broken.error
+    assert "Traceback" not in broken.error or mode == "parse_raises"  # a contract error is one sentence
+    # the healthy env of the same batch played its two turns; the metrics and the batch builder take both
+    assert not healthy.error and len(healthy.turns) == 2 and healthy.turns[-1].observation == "pos=2"
+    metrics = episode_metrics(trajs, prefix="rollout")
+    assert metrics["rollout/env_errors"] == 1.0 and math.isfinite(metrics["rollout/reward_mean"])
+    collate([t for t in trajs if not t.error], pad_id=0)  # the trainer updates on the episodes without an error
+
+
+def test_numpy_values_are_accepted_as_their_python_values(tokenizer):
+    class NumpyWalk(WalkEnv):
+        def step(self, action):
+            observation, reward, terminated, truncated, info = super().step(action)
+            info = {**info, "metric/distance": np.float32(3 - self.pos), "success": np.bool_(info["success"])}
+            return observation, np.float32(reward), np.bool_(terminated), truncated, info
+
+    (traj,) = _rollout(tokenizer, [NumpyWalk()], max_turn=3)
+    assert not traj.error and traj.success and traj.turns[-1].env_reward == 1.0
+    assert [turn.info["metric/distance"] for turn in traj.turns] == [2.0, 1.0, 0.0]
+    assert type(traj.turns[0].info["metric/distance"]) is float
+    (parsed,) = _rollout(tokenizer, [BrokenWalk("parse_np_int")])
+    assert not parsed.error and len(parsed.turns) == 2
+
+
+def test_the_contract_checks_directly():
+    env = WalkEnv()
+    env.reset(seed=0)
+    assert checked_step(env, env.step(2)) == ("pos=1", 0.0, False, False,
+                                              {"success": False, "action_is_valid": True, "action_is_effective": True})
+    assert checked_reward(env, True) == 1.0 and checked_reward(env, np.int64(3)) == 3.0
+    for bad in ("1", None, np.array(1.0), math.inf, -math.inf):
+        with pytest.raises(EnvContractError):
+            checked_reward(env, bad)
+
+
+class NoInstructions(WalkEnv):
+    instructions = None
+
+
+def test_make_refuses_an_env_without_the_text_interface():
+    assert interface_problem(WalkEnv()) is None
+    assert "no text `instructions`" in interface_problem(NoInstructions())
+    register("test_contract_no_instructions", NoInstructions)
+    with pytest.raises(TypeError, match="env 'test_contract_no_instructions': NoInstructions has no text `instructions`"):
+        make("test_contract_no_instructions")
+
+
+def test_agents_and_sft_conversations_check_the_env_too():
+    with pytest.raises(EnvContractError, match="returned a str reward"):
+        run_episode(BrokenWalk("reward_str"), RandomAgent(seed=0), seed=0, max_turns=2)
+    with pytest.raises(EnvContractError, match="returned info of type NoneType"):
+        record_conversation(BrokenWalk("info_none"), RandomAgent(seed=0), seed=0)
+    assert ExpertAgent  # the eval baselines catch these as "skipped" (tests/eval)
+
+
+def test_a_constructor_that_raises_is_one_line_naming_the_tag():
+    from ragen.envs.tags import EnvTag, TagError
+
+    def factory(**cfg):
+        raise RuntimeError("no license server")
+
+    register("test_contract_ctor_raises", factory)
+    with pytest.raises(TagError, match=r"env tag 'Mine': building the env raised RuntimeError\('no license server'\)"):
+        EnvTag(name="Mine", env="test_contract_ctor_raises").make_env()
