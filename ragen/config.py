@@ -8,6 +8,7 @@ one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -391,6 +392,21 @@ def _bad_yaml_value(item: str) -> bool:
         return True
 
 
+def builtin_model_names() -> tuple[str, ...]:
+    from ragen.models.loading import BUILTIN_MODELS
+
+    return BUILTIN_MODELS
+
+
+def absolute_path(path: str, keep: tuple[str, ...] = ()) -> str:
+    """``path`` made absolute (``~`` expanded) as a run records it, so its config.yaml, a LoRA adapter's base and a
+    resumed run name the same file from any working directory; ``""`` and the names in ``keep`` (built-in models)
+    unchanged."""
+    if not path or path in keep:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults ← preset name or YAML path ← ``key=value`` overrides, validated; returns a ``RunConfig``."""
     schema = OmegaConf.structured(RunConfig)
@@ -430,6 +446,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     except TypeError:  # OmegaConf cannot merge a list into a mapping section (or the other way round)
         raise ConfigError(_wrong_container(schema, files, overrides, preset)) from None
     _reject_overrides_es_train_ignores(config, overrides)
+    config.model = absolute_path(config.model, keep=builtin_model_names())
     validate(config)
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)
     return config

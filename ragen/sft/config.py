@@ -14,8 +14,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, flat_config, resume_safe,
-                          load_yaml_mapping, overrides_layer)
+from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, absolute_path,
+                          builtin_model_names, flat_config, load_yaml_mapping, overrides_layer, resume_safe)
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
@@ -128,6 +128,8 @@ def load_sft_config(yaml_path: str | None = None, overrides: list[str] | tuple[s
         raise ConfigError(_friendly(exc)) from None
     except TypeError:
         raise ConfigError(_wrong_container(schema, [], overrides, None)) from None  # the file merged above
+    config.model = absolute_path(config.model, keep=builtin_model_names())
+    config.data.path = absolute_path(config.data.path)
     if check:
         validate(config)
     return config

@@ -179,3 +179,35 @@ def test_other_mistakes_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_relative_paths_are_recorded_absolute_so_a_run_loads_from_any_directory(data, tmp_path, monkeypatch):
+    from ragen.config import load_config
+
+    model, tokenizer = load_model("tiny")
+    work = tmp_path / "work"
+    (work / "base").mkdir(parents=True)
+    model.save_pretrained(work / "base")
+    tokenizer.save_pretrained(work / "base")
+    (work / "demos.jsonl").write_bytes(data.read_bytes())
+    monkeypatch.chdir(work)
+    assert main(["sft", "train", "demos.jsonl", *FAST[1:], "model=base", "trainer.max_steps=2", "trainer.save_freq=2", "lora.rank=4",
+                 "trainer.output_dir=runs/lora"]) == 0
+    run = work / "runs" / "lora"
+    recorded = (run / "config.yaml").read_text()
+    assert f"model: {work / 'base'}" in recorded and f"path: {work / 'demos.jsonl'}" in recorded
+    assert json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(work / "base")
+    assert load_config("bandit", ["model=base"]).model == str(work / "base")
+    assert load_config("bandit", ["model=tiny"]).model == "tiny"  # built-in names stay names
+    here, _ = load_model(str(run))
+
+    # elsewhere: a directory of the same name holding another model must not be picked up
+    other = tmp_path / "other"
+    (other / "base").mkdir(parents=True)
+    load_model("tiny", seed=1)[0].save_pretrained(other / "base")
+    tokenizer.save_pretrained(other / "base")
+    monkeypatch.chdir(other)
+    there, _ = load_model(str(run))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(here(ids).logits, there(ids).logits)
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=3"]) == 0  # data.path found from here too
