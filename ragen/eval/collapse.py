@@ -14,6 +14,7 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ragen.agent.trajectory import Trajectory
 
@@ -115,3 +116,11 @@ class CollapseMonitor:
         if entropy is not None and entropy < self.entropy_floor and self._flat_steps >= self.patience:
             self.collapsed = True
         return warnings
+
+    def replay(self, history: Iterable[dict[str, float]]) -> None:
+        """Feed the logged metrics of steps already run through :meth:`check` (warnings dropped): a resumed run's
+        monitor then counts flat steps and judges spikes as the uninterrupted run's would. ``collapsed`` is left
+        False: a run resumed after stopping on a collapse goes on until the next step confirms it again."""
+        for metrics in history:
+            self.check(metrics)
+        self.collapsed = False

@@ -167,6 +167,12 @@ def truncate_metrics(metrics_path: Path, last_step: int) -> None:
     write_text_atomic(metrics_path, "".join(line + "\n" for line in kept))  # a kill now leaves the old log whole
 
 
+def read_metrics(metrics_path: Path) -> list[dict]:
+    """Every record of a metrics log that :func:`truncate_metrics` has left (each line a JSON object with a ``step``)."""
+    text = metrics_path.read_text() if metrics_path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def metrics_to_keep(metrics_path: Path, last_step: int) -> list[str]:
     """The lines of ``metrics_path`` that :func:`truncate_metrics` keeps (it raises the same errors); writes nothing."""
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []

@@ -36,7 +36,7 @@ from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import (all_ranks, all_reduce_grads, barrier, broadcast_object, init_distributed,
                                      micro_batch_count, rank_world, reduce_metrics, shard)
 from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
-from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
+from ragen.train.checkpoint import read_metrics, restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
@@ -648,7 +648,8 @@ class StarPOTrainer:
         problem = broadcast_object(problem)
         if problem:
             raise ValueError(problem)
-        if self.is_main:
+        if self.is_main:  # rank 0 decides a collapse stop: its monitor picks up where the run was
+            self.collapse_monitor.replay(record for record in read_metrics(self.metrics_path) if record["step"] >= 1)
             print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
 
     def _make_run_dir(self, resume: bool) -> Path:

@@ -197,3 +197,34 @@ def test_a_smaller_micro_batch_changes_results_only_under_dropout():
     assert result_changing_differences(rl(), rl("trainer.fsdp=true")) == []
     assert result_changing_differences(rl(*lora), rl(*lora, "trainer.fsdp=true")) == ["trainer.fsdp"]
     assert result_changing_differences(rl(*own), rl(*own, "trainer.fsdp=true")) == ["trainer.fsdp"]
+
+
+def test_a_resumed_run_stops_on_collapse_at_the_step_the_uninterrupted_one_does(tmp_path, monkeypatch, capsys):
+    import ragen.train.trainer as trainer_module
+    from ragen.eval.collapse import CollapseMonitor
+
+    # every step counts as collapsed-looking, so a collapse is confirmed at the third (patience 3)
+    monkeypatch.setattr(trainer_module, "CollapseMonitor", lambda: CollapseMonitor(entropy_floor=1e9, std_floor=1e9))
+    args = [*ARGS, "trainer.stop_on_collapse=true", "trainer.val_freq=0", "trainer.total_steps=6"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(["train", "bandit", *args, f"trainer.output_dir={straight}"]) == 0
+    assert json.loads((straight / "summary.json").read_text())["stopped_on_collapse_at_step"] == 3
+    assert main(["train", "bandit", *args, "trainer.total_steps=2", f"trainer.output_dir={cut}"]) == 0
+    assert main(["train", "--resume", str(cut), "trainer.total_steps=6"]) == 0
+    assert json.loads((cut / "summary.json").read_text())["stopped_on_collapse_at_step"] == 3
+    assert [m["step"] for m in _metrics(cut)] == [m["step"] for m in _metrics(straight)]
+
+
+def test_the_monitor_replayed_from_the_log_equals_the_one_that_ran():
+    from ragen.eval.collapse import CollapseMonitor
+
+    history = [{"step": s, "actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0, "actor/grad_norm": g}
+               for s, g in enumerate([1.0, 1.1, 0.9, 1.0, 1.2, 1.0], 1)]
+    ran, replayed = CollapseMonitor(), CollapseMonitor()
+    for metrics in history:
+        ran.check(metrics)
+    replayed.replay(history)
+    assert (replayed._flat_steps, replayed._grad_norms) == (ran._flat_steps, ran._grad_norms) == (6, [1.0, 1.1, 0.9, 1.0, 1.2, 1.0])
+    assert ran.collapsed and not replayed.collapsed  # a resume past a collapse stop goes on until the next one
+    spike = {"actor/grad_norm": 50.0}
+    assert ran.check(spike) == replayed.check(spike) != []
