@@ -169,7 +169,7 @@ class Rollout:
         """Turns for ``episodes`` until each has ended, one batched ``generate`` call per turn."""
         with self._session(episodes):
             while True:
-                active = [ep for ep in episodes if not ep.traj.done]
+                active = [ep for ep in self._within_context(ep for ep in episodes if not ep.traj.done)]
                 if not active:
                     break
                 prompts = [ep.prompt_ids() for ep in active]
@@ -180,6 +180,23 @@ class Rollout:
                 for ep, gen in zip(active, generations):
                     last_turn = len(ep.traj.turns) + 1 >= ep.settings.max_turn
                     self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
+
+    def _within_context(self, episodes) -> list[_Episode]:
+        """``episodes`` whose next prompt leaves room for ``max_new_tokens`` in the model's context; the others end with
+        an error saying so (a run goes on; the model would otherwise read positions it was never trained on, and a
+        huge observation would stall the prefill for minutes)."""
+        limit = context_limit(self.backend)
+        kept = []
+        for ep in episodes:
+            length = len(ep.prompt_ids())
+            if limit and length + self.sampling.max_new_tokens > limit:
+                ep.traj.error, ep.traj.done = (
+                    f"turn {len(ep.traj.turns) + 1}: the prompt of {length} tokens plus rollout.max_new_tokens="
+                    f"{self.sampling.max_new_tokens} exceeds the model's context of {limit} tokens (shorter observations, "
+                    "fewer turns (agent.max_turn) or agent.context_mode=window keep it within)"), True
+            else:
+                kept.append(ep)
+        return kept
 
     def _session(self, episodes: list[_Episode]):
         """The backend's session for this run (``HFBackend.session``: KV caches kept between turns
@@ -309,6 +326,12 @@ class Rollout:
     def _append(traj: Trajectory, ids: list[int], model_wrote: bool) -> None:
         traj.input_ids.extend(ids)
         traj.loss_mask.extend([int(model_wrote)] * len(ids))
+
+
+def context_limit(backend) -> int | None:
+    """The most tokens (prompt + answer) ``backend``'s model takes, if it says (``backend.context_limit``); else None."""
+    limit = getattr(backend, "context_limit", None)
+    return int(limit) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def _env_failed(traj: Trajectory, method: str, exc: BaseException) -> None:

@@ -216,6 +216,11 @@ class HFBackend:
             self._in_session = False
             self.fused.clear()  # the weights change before the next rollout
 
+    @property
+    def context_limit(self) -> int | None:
+        """The model's context length (``config.max_position_embeddings``), or None if it does not say."""
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         keeping = self.prefix_cache is not None and self.prefix_cache.active

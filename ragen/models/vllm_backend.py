@@ -217,6 +217,14 @@ class VLLMBackend:
                 self.llm = vllm.LLM(model=tmp, **engine)
         self._vllm = vllm
 
+    @property
+    def context_limit(self) -> int | None:
+        """The engine's ``max_model_len`` (prompt + answer tokens), or None if this vLLM does not expose it."""
+        try:
+            return int(self.llm.llm_engine.model_config.max_model_len)
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if not prompts:
             return []

@@ -147,3 +147,41 @@ def test_a_constructor_that_raises_is_one_line_naming_the_tag():
     register("test_contract_ctor_raises", factory)
     with pytest.raises(TagError, match=r"env tag 'Mine': building the env raised RuntimeError\('no license server'\)"):
         EnvTag(name="Mine", env="test_contract_ctor_raises").make_env()
+
+
+class LongWalk(WalkEnv):
+    """WalkEnv whose observation after ``long_after`` steps is ``words`` words long."""
+
+    def __init__(self, words: int, long_after: int = 0):
+        self.words, self.long_after = words, long_after
+
+    def reset(self, *, seed=None, options=None):
+        observation, info = super().reset(seed=seed, options=options)
+        return (observation + " far" * self.words if self.long_after == 0 else observation), info
+
+    def step(self, action):
+        observation, *rest = super().step(action)
+        return (observation + " far" * self.words if self.pos >= self.long_after else observation), *rest
+
+
+def test_a_prompt_beyond_the_models_context_ends_its_episode_with_an_error(tokenizer):
+    backend = ReplyBackend(tokenizer, lambda text, i: ANSWER)
+    backend.context_limit = 400
+    sampling = SamplingParams(max_new_tokens=16)
+    envs = [LongWalk(words=1000), LongWalk(words=300, long_after=1), WalkEnv()]
+    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=3), sampling).run(envs, [0] * 3, [0, 1, 2], ["walk"] * 3)
+    first, later, short = trajs
+    assert first.error.startswith("turn 1: the prompt of ") and not first.turns  # never sent to the model
+    assert "plus rollout.max_new_tokens=16 exceeds the model's context of 400 tokens" in first.error
+    assert later.error.startswith("turn 2: the prompt of ") and len(later.turns) == 1
+    assert not short.error and len(short.turns) == 3
+    assert all(len(tokenizer.encode(p)) <= 400 - 16 for p in backend.prompts)
+    assert backend.batch_sizes == [2, 1, 1]  # the over-long prompts never reached the backend
+
+
+def test_the_hf_backend_reports_the_models_context(tiny):
+    from ragen.agent.rollout import context_limit
+    from ragen.models.backend import HFBackend
+
+    model, tokenizer = tiny
+    assert context_limit(HFBackend(model, tokenizer)) == model.config.max_position_embeddings > 0
