@@ -8,6 +8,7 @@ partial new one; the temp name starts with ``.`` and ends in ``.tmp`` so no ``*.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import shutil
@@ -94,4 +95,13 @@ def strict_json(value):
     return value
 
 
-__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way", "strict_json"]
+__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way", "strict_json", "file_sha256"]
+
+
+def file_sha256(path: str | Path) -> str:
+    """The hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -118,7 +118,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ragen.sft.trainer import SFTTrainer
 
     try:
-        trainer = SFTTrainer(config, resume=bool(args.resume))
+        trainer = SFTTrainer(config, resume=bool(args.resume), force=args.force)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
         return _fail(str(exc).splitlines()[0])
     trainer.train()

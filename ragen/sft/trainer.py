@@ -31,7 +31,7 @@ from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.sft.preflight import check_run_dir
-from ragen.files import strict_json, write_dir_atomic, write_text_atomic
+from ragen.files import file_sha256, strict_json, write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw
@@ -54,8 +54,9 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: 
 
 
 class SFTTrainer:
-    def __init__(self, config: SFTConfig, resume: bool = False):
+    def __init__(self, config: SFTConfig, resume: bool = False, force: bool = False):
         self.config = config
+        self.force = force  # --resume --force: accept a data file whose contents changed since the checkpoint
         t = config.trainer
         self.run_dir = self._check_run_dir(resume)  # before the model loads: a refused dir fails fast
         if t.num_threads > 0:
@@ -71,6 +72,7 @@ class SFTTrainer:
                                  max_length=d.max_length, seed=config.seed, train_on_eos=d.train_on_eos)
         if not self.data.train:
             raise ValueError(f"{d.path}: nothing left to train on after the eval split")
+        self.data_sha256 = file_sha256(d.path)  # checkpointed: --resume notices a data file rewritten in place
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)
@@ -219,11 +221,17 @@ class SFTTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         return save_checkpoint(self.run_dir, step, self.checkpoint_tensors(), self.optimizer, self.scheduler,
-                               self.seed_rng, extra={"kind": "sft"}, keep=self.config.trainer.keep_checkpoints)
+                               self.seed_rng, extra={"kind": "sft", "data_sha256": self.data_sha256},
+                               keep=self.config.trainer.keep_checkpoints)
 
     def _resume(self) -> None:
         path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
                                                self.scheduler, self.seed_rng)
+        saved = json.loads((path / "state.json").read_text()).get("data_sha256")  # None: a checkpoint from before it
+        if saved is not None and saved != self.data_sha256 and not self.force:
+            raise ValueError(f"--resume: {self.config.data.path} changed since {path.name} was written (sha256 "
+                             f"{saved[:12]}… then, {self.data_sha256[:12]}… now): the run would go on with other "
+                             "conversations; pass --force to accept")
         truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
 

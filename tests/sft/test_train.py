@@ -211,3 +211,21 @@ def test_relative_paths_are_recorded_absolute_so_a_run_loads_from_any_directory(
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(here(ids).logits, there(ids).logits)
     assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=3"]) == 0  # data.path found from here too
+
+
+def test_resume_refuses_a_data_file_rewritten_in_place_unless_forced(data, tmp_path, capsys):
+    demos = tmp_path / "demos.jsonl"
+    demos.write_bytes(data.read_bytes())
+    run = tmp_path / "run"
+    assert main(["sft", "train", str(demos), *FAST, "trainer.max_steps=2", "trainer.save_freq=2",
+                 f"trainer.output_dir={run}"]) == 0
+    lines = demos.read_text().splitlines()
+    demos.write_text("\n".join(lines[:-1]) + "\n")  # one conversation fewer, same path
+    before = (run / "metrics.jsonl").read_text(), (run / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {demos} changed since step_000002 was written" in err and "pass --force" in err
+    assert ((run / "metrics.jsonl").read_text(), (run / "config.yaml").read_text()) == before  # nothing touched
+    assert main(["sft", "train", "--resume", str(run), "--force", "trainer.max_steps=3"]) == 0
+    assert [line["step"] for line in metrics(run)] == [0, 1, 2, 3]
