@@ -35,6 +35,21 @@ def note_lost_env_settings(config) -> None:
               file=sys.stderr)
 
 
+def note_val_tags_keep_their_envs(config, overrides: list[str]) -> None:
+    """One stderr line (rank 0 only) when ``env.*`` overrides typed for a run leave validation's ``es.val`` tags as
+    they are (each tag plays its own env config: the bandit preset's ``Bandit``/``BanditTest``)."""
+    from ragen.config import single_env_key
+
+    if not config.es.val or config.es.train or os.environ.get("RANK", "0") != "0":
+        return
+    keys = [key for key in map(single_env_key, overrides) if key and key.startswith("env")]
+    if keys:
+        tags = ", ".join(entry.tag for entry in config.es.val)
+        print(f"ragen: note: {', '.join(keys)} set the training envs only: validation plays es.val's tags ({tags}), "
+              "each with its own env config (change one with es.tags.TAG.config.KEY=VALUE; docs/env_tags.md)",
+              file=sys.stderr)
+
+
 def run_era_overrides(config_yaml: str) -> list[str]:
     """Overrides that keep a resumed run on the behaviour it was trained with when its ``config.yaml`` predates a
     key whose default changed it: ``algorithm.disable_dropout`` (stop 38) defaults to true, but a run written
@@ -81,6 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     note_lost_env_settings(config)
+    note_val_tags_keep_their_envs(config, args.overrides)
     _quiet_transformers()
     from ragen.models import ModelLoadError
 

@@ -452,7 +452,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     return config
 
 
-def _single_env_key(item: str) -> str | None:
+def single_env_key(item: str) -> str | None:
     """The key a ``key=value`` override sets that only the single-env case reads (``env`` and everything
     in it, ``rollout.env_groups``), also inside a dict value (``rollout={env_groups: 3}``); else None."""
     key = item.split("=", 1)[0].strip()
@@ -474,7 +474,7 @@ def _reject_overrides_es_train_ignores(config: RunConfig, overrides: list[str] |
     if not config.es.train:
         return
     for item in overrides:
-        key = _single_env_key(item)
+        key = single_env_key(item)
         if key is None:
             continue
         if key == "rollout.env_groups":
@@ -497,7 +497,7 @@ def reject_env_overrides_eval_ignores(config: RunConfig, overrides: list[str] | 
     if not config.es.val:
         return
     for item in overrides:
-        key = _single_env_key(item)
+        key = single_env_key(item)
         if key is None or not key.startswith("env"):
             continue
         tags = ", ".join(entry.tag for entry in config.es.val)

@@ -164,6 +164,19 @@ def test_env_settings_a_file_loses_to_es_train_are_noted_and_the_run_goes_on(cap
     assert "no valid checkpoint" in err[1] and len(err) == 2
 
 
+def test_env_overrides_that_validation_tags_do_not_take_are_noted(capsys):
+    from ragen.cli import main
+
+    assert main(["train", "bandit", "model=tiny", "env.config.high_prob=0.5", "--print-config"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["ragen: note: env.config.high_prob set the training envs only: validation plays es.val's tags "
+                   "(Bandit, BanditTest), each with its own env config (change one with es.tags.TAG.config.KEY=VALUE; "
+                   "docs/env_tags.md)"]
+    for quiet in (["model=tiny"], ["model=tiny", "env.config.high_prob=0.5", "es.val=[]"]):  # nothing to note
+        assert main(["train", "bandit", *quiet, "--print-config"]) == 0
+        assert capsys.readouterr().err == ""
+
+
 # -- advantages and filtering never mix tags ---------------------------------------------------
 
 
