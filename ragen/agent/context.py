@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _PLACEHOLDER = "RAGENASSISTANTPLACEHOLDER"
+#: Invisible, and not part of any special token: it splits one where untrusted text spells it (:meth:`ChatTokens.escape`).
+WORD_JOINER = "\u2060"
 
 
 class ChatTokens:
@@ -31,8 +33,28 @@ class ChatTokens:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token
         self.eos_text = eos if isinstance(eos, str) else ""
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = set(getattr(tokenizer, "all_special_tokens", []) or []) | {t.content for t in added.values() if t.special}
+        #: Special tokens' texts, longest first: in a message's content they are escaped (:meth:`escape`).
+        self.special_texts = sorted((t for t in special if isinstance(t, str) and len(t) > 1), key=len, reverse=True)
+
+    def escape(self, text: str) -> str:
+        """``text`` with every special token's text broken by a WORD JOINER (U+2060) after its first character.
+
+        The rendered prompt is encoded as one string, and a tokenizer turns the text of a special token into that
+        token wherever it appears: an observation (or a model's answer quoted back) holding ``<|im_end|>`` would
+        otherwise close the turn and open new ones for real (prompt injection through the env). Escaped, the
+        characters stay visible and encode as ordinary text."""
+        for token in self.special_texts:
+            if token in text:
+                text = text.replace(token, token[0] + WORD_JOINER + token[1:])
+        return text
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The chat template's text for ``messages``; user and assistant contents escaped (:meth:`escape`), the system
+        prompt (the run's own config) as written."""
+        messages = [m if m.get("role") == "system" or not isinstance(m.get("content"), str)
+                    else {**m, "content": self.escape(m["content"])} for m in messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
