@@ -44,6 +44,12 @@ def note_val_tags_keep_their_envs(config, overrides: list[str]) -> None:
         return
     keys = [key for key in map(single_env_key, overrides) if key and key.startswith("env")]
     if keys:
+        import ragen.envs
+
+        try:  # an env config start-up refuses gets its error alone, not a note first
+            ragen.envs.make(config.env.name, **config.env.config).close()
+        except Exception:
+            return
         tags = ", ".join(entry.tag for entry in config.es.val)
         print(f"ragen: note: {', '.join(keys)} set the training envs only: validation plays es.val's tags ({tags}), "
               "each with its own env config (change one with es.tags.TAG.config.KEY=VALUE; docs/env_tags.md)",
@@ -63,7 +69,7 @@ def run_era_overrides(config_yaml: str) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ragen.config import ConfigError, load_config, result_changing_differences
+    from ragen.config import ConfigError, load_config, result_changing_differences, sft_run_config
 
     overrides = list(args.overrides)
     preset = args.preset
@@ -80,6 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not saved.read_bytes().strip():  # read as the defaults, it would resume another model's run
             return _fail(f"--resume {run_dir}: its config.yaml is empty (the run dir is damaged)")
         preset = str(saved)
+        if sft_run_config(saved):
+            return _fail(f"--resume {run_dir}: a `ragen sft train` run; continue it with `ragen sft train --resume {run_dir}`")
         overrides.append(f"trainer.output_dir={run_dir}")
     elif not preset:
         return _fail("train needs an env preset or a YAML config (or --resume RUN_DIR)")
@@ -192,13 +200,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores
+    from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores, sft_run_config
 
     preset = args.env
+    if preset is None:
+        return _fail("eval needs ENV_OR_YAML after the model: the env preset, YAML config or `ragen train` run dir whose "
+                     f"validation envs to play (e.g. `ragen eval {args.model} bandit`)")
     if Path(preset).is_dir() and (Path(preset) / "config.yaml").is_file():  # a run dir: its own config
         preset = str(Path(preset) / "config.yaml")
         if not Path(preset).read_bytes().strip():
             return _fail(f"{preset} is empty (the run dir is damaged); give the env or YAML config instead")
+        if sft_run_config(preset):
+            return _fail(f"{args.env} is a `ragen sft train` run: its config names no env; give the env to evaluate "
+                         f"on (e.g. `ragen eval {args.env} bandit`)")
     try:
         config = load_config(preset, args.overrides)
         reject_env_overrides_eval_ignores(config, args.overrides)
@@ -270,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=cmd_plot)
     evaluate = sub.add_parser("eval", help="evaluate a model or run dir on the held-out validation seeds, with baselines")
     evaluate.add_argument("model", help="smollm2-135m, tiny, an HF model dir, a run dir, or openai:MODEL")
-    evaluate.add_argument("env", metavar="ENV_OR_YAML", help="env preset, YAML config, or a run dir (uses its config.yaml)")
+    evaluate.add_argument("env", metavar="ENV_OR_YAML", nargs="?", default=None,
+                          help="env preset, YAML config, or a run dir (uses its config.yaml)")
     evaluate.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.val_episodes=128")
     evaluate.add_argument("--k", type=int, default=4, help="pass@k: k (0 = greedy only; default 4)")
     evaluate.add_argument("--n", type=int, default=None, help="samples per seed for pass@k (default k; n > k: unbiased estimator)")

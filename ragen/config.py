@@ -392,6 +392,25 @@ def _bad_yaml_value(item: str) -> bool:
         return True
 
 
+def sft_run_config(path: str | Path) -> bool:
+    """Whether ``path`` (a run's config.yaml) is ``ragen sft train``'s (it has ``data`` and no ``env``/``es``/``rollout``):
+    the RL commands name the mix-up instead of failing on the key ``data``."""
+    try:
+        saved = yaml.safe_load(Path(path).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and "data" in saved and not {"env", "es", "rollout"} & set(saved)
+
+
+def rl_run_config(path: str | Path) -> bool:
+    """Whether ``path`` (a run's config.yaml) is ``ragen train``'s (it has ``env``, ``es`` or ``rollout``, no ``data``)."""
+    try:
+        saved = yaml.safe_load(Path(path).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and "data" not in saved and bool({"env", "es", "rollout"} & set(saved))
+
+
 def builtin_model_names() -> tuple[str, ...]:
     from ragen.models.loading import BUILTIN_MODELS
 

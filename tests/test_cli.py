@@ -276,3 +276,29 @@ def test_print_config_checks_what_a_resume_and_the_model_need(tmp_path, capsys, 
     (cache / "model.safetensors").write_bytes(b"")
     (cache / "tokenizer_config.json").write_text("{}")
     assert main(["train", "bandit", "--print-config"]) == 0
+
+
+def test_run_dirs_of_the_other_kind_and_a_missing_env_are_named(tmp_path, capsys):
+    from ragen.config import load_config, to_yaml
+    from ragen.sft.config import load_sft_config, to_yaml as sft_yaml
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    sft_run, rl_run = tmp_path / "sft", tmp_path / "rl"
+    sft_run.mkdir()
+    rl_run.mkdir()
+    (sft_run / "config.yaml").write_text(sft_yaml(load_sft_config(None, [f"data.path={data}", "model=tiny"], check=False)))
+    (rl_run / "config.yaml").write_text(to_yaml(load_config("bandit", ["model=tiny"])))
+    cases = [
+        (["train", "--resume", str(sft_run)], f"a `ragen sft train` run; continue it with `ragen sft train --resume {sft_run}`"),
+        (["sft", "train", "--resume", str(rl_run)], f"a `ragen train` (RL) run; continue it with `ragen train --resume {rl_run}`"),
+        (["eval", "tiny", str(sft_run)], "is a `ragen sft train` run: its config names no env"),
+        (["eval", "tiny"], "eval needs ENV_OR_YAML after the model"),
+        (["train", "sokoban", "model=tiny", "env.config.dim_room=6", "--print-config"],
+         "sokoban: config key 'dim_room' must be a list (like [6, 6]), got 6"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)

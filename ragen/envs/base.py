@@ -17,6 +17,7 @@ text into a format penalty before it ever reaches the env.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import dataclasses
@@ -79,6 +80,8 @@ def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
             raise ValueError(f"{env_name}: config key {key!r} must be an int, got {value!r}")
         if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{env_name}: config key {key!r} must be a number, got {value!r}")
+        if isinstance(default, (tuple, list)) and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+            raise ValueError(f"{env_name}: config key {key!r} must be a list (like {list(default)!r}), got {value!r}")
     config = config_cls(**cfg)
     validate = getattr(config, "validate", None)
     if validate is not None:
