@@ -88,9 +88,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset = str(saved)
         if sft_run_config(saved):
             return _fail(f"--resume {run_dir}: a `ragen sft train` run; continue it with `ragen sft train --resume {run_dir}`")
+        typed = list(overrides)  # what the user wrote, for the notes below
         overrides.append(f"trainer.output_dir={run_dir}")
     elif not preset:
         return _fail("train needs an env preset or a YAML config (or --resume RUN_DIR)")
+    else:
+        typed = list(overrides)
     try:
         before = []  # settings a resumed run had without its config.yaml naming them (it predates the key)
         if args.resume:
@@ -104,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     note_lost_env_settings(config)
-    note_val_tags_keep_their_envs(config, args.overrides)
+    note_val_tags_keep_their_envs(config, typed)
     _quiet_transformers()
     from ragen.models import ModelLoadError
 

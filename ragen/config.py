@@ -8,7 +8,6 @@ one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -418,12 +417,15 @@ def builtin_model_names() -> tuple[str, ...]:
 
 
 def absolute_path(path: str, keep: tuple[str, ...] = ()) -> str:
-    """``path`` made absolute (``~`` expanded) as a run records it, so its config.yaml, a LoRA adapter's base and a
-    resumed run name the same file from any working directory; ``""`` and the names in ``keep`` (built-in models)
-    unchanged."""
+    """An existing ``path`` made absolute (``~`` expanded; ``..`` and symlinks left as they are) as a run records it,
+    so its config.yaml, a LoRA adapter's base and a resumed run name the same file from any working directory.
+
+    ``""``, the names in ``keep`` (built-in models) and paths that do not exist are returned as typed: the error
+    that follows names what the user wrote."""
     if not path or path in keep:
         return path
-    return os.path.abspath(os.path.expanduser(path))
+    full = Path(path).expanduser()
+    return str(full.absolute()) if full.exists() else path
 
 
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

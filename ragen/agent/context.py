@@ -50,12 +50,16 @@ class ChatTokens:
                 text = text.replace(token, token[0] + WORD_JOINER + token[1:])
         return text
 
+    def escaped(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with user and assistant contents escaped (:meth:`escape`); the system prompt (the run's own
+        config) as written. What every prompt is rendered from, and what a chat API backend is sent."""
+        return [m if m.get("role") == "system" or not isinstance(m.get("content"), str)
+                else {**m, "content": self.escape(m["content"])} for m in messages]
+
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template's text for ``messages``; user and assistant contents escaped (:meth:`escape`), the system
-        prompt (the run's own config) as written."""
-        messages = [m if m.get("role") == "system" or not isinstance(m.get("content"), str)
-                    else {**m, "content": self.escape(m["content"])} for m in messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        """The chat template's text for :meth:`escaped` ``messages``."""
+        return self.tokenizer.apply_chat_template(self.escaped(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

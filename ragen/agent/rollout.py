@@ -27,7 +27,7 @@ from ragen.agent.rewards import extract_prediction, prediction_matches, think_is
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.envs.base import GROUP_MEMBER_OPTION
 from ragen.envs.contract import (EnvContractError, checked_action_id, checked_reset, checked_step, describe_failure,
-                                  interface_problem)
+                                  instructions_problem)
 from ragen.models.backend import SamplingParams
 
 
@@ -174,7 +174,8 @@ class Rollout:
                     break
                 prompts = [ep.prompt_ids() for ep in active]
                 if getattr(self.backend, "wants_messages", False):  # chat APIs take messages, not token ids
-                    generations = self.backend.generate(prompts, self.sampling, messages=[ep.prompt_messages() for ep in active])
+                    messages = [self.chat.escaped(ep.prompt_messages()) for ep in active]  # as the template would be
+                    generations = self.backend.generate(prompts, self.sampling, messages=messages)
                 else:
                     generations = self.backend.generate(prompts, self.sampling)
                 for ep, gen in zip(active, generations):
@@ -182,20 +183,32 @@ class Rollout:
                     self._take_turn(ep, gen.token_ids, gen.finish_reason, last_turn=last_turn)
 
     def _within_context(self, episodes) -> list[_Episode]:
-        """``episodes`` whose next prompt leaves room for ``max_new_tokens`` in the model's context; the others end with
-        an error saying so (a run goes on; the model would otherwise read positions it was never trained on, and a
-        huge observation would stall the prefill for minutes)."""
+        """``episodes`` whose next prompt leaves room for ``max_new_tokens`` in the model's context.
+
+        The model would otherwise read positions it was never trained on (and a huge observation stalls the prefill
+        for minutes). An episode whose first prompt does not fit ends with an error (nothing was played); one whose
+        later prompt does not fit ends there, its turns kept as when ``max_turn`` ends it, with ``context_full``
+        saying why."""
         limit = context_limit(self.backend)
         kept = []
         for ep in episodes:
             length = len(ep.prompt_ids())
-            if limit and length + self.sampling.max_new_tokens > limit:
-                ep.traj.error, ep.traj.done = (
-                    f"turn {len(ep.traj.turns) + 1}: the prompt of {length} tokens plus rollout.max_new_tokens="
-                    f"{self.sampling.max_new_tokens} exceeds the model's context of {limit} tokens (shorter observations, "
-                    "fewer turns (agent.max_turn) or agent.context_mode=window keep it within)"), True
-            else:
+            if not limit or length + self.sampling.max_new_tokens <= limit:
                 kept.append(ep)
+                continue
+            traj = ep.traj
+            why = (f"turn {len(traj.turns) + 1}: the prompt of {length} tokens plus rollout.max_new_tokens="
+                   f"{self.sampling.max_new_tokens} exceeds the model's context of {limit} tokens")
+            traj.done = True
+            if not traj.turns:
+                traj.error = (f"{why} (shorter observations or instructions, or a lower rollout.max_new_tokens, "
+                              "keep it within)")
+                continue
+            traj.context_full = (f"{why}: the episode ended after turn {len(traj.turns)} (fewer turns "
+                                 "(agent.max_turn), agent.context_mode=window or a lower rollout.max_new_tokens keep it within)")
+            end = traj.turn_spans[-1][1]  # drop the next prompt's tokens: the episode ends as at its last turn
+            del traj.input_ids[end:], traj.loss_mask[end:]
+            del traj.window_prompts[len(traj.turns):]
         return kept
 
     def _session(self, episodes: list[_Episode]):
@@ -216,9 +229,10 @@ class Rollout:
         traj = Trajectory(env_name=env_name, group_id=group_id, seed=seed, tag=tag, group_member=member)
         try:
             observation, _ = checked_reset(env, env.reset(seed=seed, options={GROUP_MEMBER_OPTION: member}))
-            instructions = settings.instructions or env.unwrapped.instructions
-            if not isinstance(instructions, str):
-                raise EnvContractError(interface_problem(env) or "instructions are not text")
+            instructions = settings.instructions or getattr(env.unwrapped, "instructions", None)
+            problem = instructions_problem(env, instructions)
+            if problem:
+                raise EnvContractError(problem)
         except Exception as exc:  # an env bug must not kill the run
             _env_failed(traj, "reset", exc)
             return _Episode(env, traj, [], None, protocol)

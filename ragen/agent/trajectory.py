@@ -61,6 +61,9 @@ class Trajectory:
     done: bool = False
     #: Set when the env raised: the episode is reported and left out of the update.
     error: str = ""
+    #: Set when the episode ended early because its next prompt would not fit the model's context (the turns played
+    #: count and train, as when ``max_turn`` ends an episode): why, with the lengths.
+    context_full: str = ""
     #: ``agent.context_mode=window`` only: ``window_prompts[k]`` are the exact ids turn ``k`` was
     #: generated from (instructions + the last turns); the turn's training sample is
     #: ``window_prompts[k] + input_ids[turn_spans[k][0]:turn_spans[k][1]]``. ``input_ids`` still
@@ -96,6 +99,7 @@ class Trajectory:
             "task_reward": self.task_reward,
             "success": self.success,
             "error": self.error,
+            "context_full": self.context_full,
             "initial_observation": self.initial_observation,
             "turns": [
                 {

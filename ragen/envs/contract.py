@@ -8,10 +8,11 @@ env and what was wrong; the rollout reports it as that episode's error (like an 
 
 What is checked (the contract in :mod:`ragen.envs.base`):
 
-* at construction (:func:`interface_problem`): ``instructions`` is a ``str`` and ``parse_action`` is callable;
+* at construction (:func:`interface_problem`): ``parse_action`` is callable; when the rollout starts an episode,
+  its instructions (the env's ``instructions`` unless the agent settings or the tag give them) are a ``str``;
 * ``reset`` returns ``(observation, info)`` with a ``str`` observation and a ``dict`` info;
 * ``step`` returns ``(observation, reward, terminated, truncated, info)`` with a ``str`` observation, a finite
-  real reward (Python or NumPy number; ``bool`` counts as 0/1), flags that ``bool()`` accepts and a ``dict`` info;
+  real reward (Python or NumPy number, ``bool`` as 0/1, or a one-element array or tensor), flags that ``bool()`` accepts and a ``dict`` info;
 * ``parse_action`` returns an ``int`` (NumPy integers too) or None.
 """
 
@@ -43,15 +44,22 @@ def _a(value: Any) -> str:
 
 
 def interface_problem(env: Any) -> str | None:
-    """Why ``env`` lacks what the agent layer reads besides gymnasium's API, or None."""
+    """Why ``env`` lacks what the agent layer calls besides gymnasium's API (``parse_action``), or None.
+
+    ``instructions`` are not required here: a run may give them (``agent.instructions``, a tag's), or an env may set
+    them in ``reset``; the rollout checks them when an episode starts (:func:`instructions_problem`)."""
     raw = getattr(env, "unwrapped", env)
-    instructions = getattr(raw, "instructions", None)
-    if not isinstance(instructions, str):
-        return (f"{_name(env)} has no text `instructions` (got {_kind(instructions)}): ragen envs set a str "
-                "`instructions` attribute, e.g. by subclassing ragen.envs.base.TextEnv")
     if not callable(getattr(raw, "parse_action", None)):
         return f"{_name(env)} has no `parse_action(text) -> int | None` method (ragen.envs.base.TextEnv has one)"
     return None
+
+
+def instructions_problem(env: Any, instructions: Any) -> str | None:
+    """Why ``instructions`` (the env's, or the run's override) cannot open a prompt, or None."""
+    if isinstance(instructions, str):
+        return None
+    return (f"{_name(env)} has no text `instructions` (got {_kind(instructions)}): set a str `instructions` attribute "
+            "(ragen.envs.base.TextEnv has one), or agent.instructions / a tag's instructions")
 
 
 def _observation(env: Any, method: str, observation: Any) -> str:
@@ -82,11 +90,23 @@ def checked_reset(env: Any, result: Any) -> tuple[str, dict]:
 
 
 def checked_reward(env: Any, reward: Any) -> float:
-    """``reward`` as a finite float, or :class:`EnvContractError` (a 0-d NumPy array is not accepted: ``.item()`` it)."""
-    if not isinstance(reward, numbers.Real):
+    """``reward`` as a finite float, or :class:`EnvContractError`.
+
+    Python and NumPy numbers and bools count, and so does any one-element array or tensor (``np.array(1.0)``,
+    ``torch.tensor([1.0])``: read with ``.item()``); text, complex numbers, several values or a non-finite value
+    do not."""
+    value = reward
+    if not isinstance(value, (str, bytes, numbers.Number)) and callable(getattr(value, "item", None)):
+        try:
+            value = value.item()  # a NumPy scalar or one-element array/tensor; several elements raise
+        except (ValueError, RuntimeError, TypeError):
+            pass
+    if isinstance(value, np.generic):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
         raise EnvContractError(f"{_name(env)}.step returned {_a(reward)} reward ({reward!r:.60}); "
                                "rewards are real numbers")
-    value = float(reward)
+    value = float(value)
     if not math.isfinite(value):
         raise EnvContractError(f"{_name(env)}.step returned a non-finite reward ({value})")
     return value

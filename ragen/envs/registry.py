@@ -25,8 +25,8 @@ def register(name: str, factory: Callable[..., gym.Env] | None = None):
 
 
 def make(name: str, **cfg: Any) -> gym.Env:
-    """Build the env registered as ``name`` with keyword config ``cfg``; ``TypeError`` if it lacks the text interface
-    the agent layer reads (:func:`ragen.envs.contract.interface_problem`)."""
+    """Build the env registered as ``name`` with keyword config ``cfg``; ``TypeError`` if it lacks what the agent layer
+    calls besides gymnasium's API (:func:`ragen.envs.contract.interface_problem`: ``parse_action``)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown env {name!r}; registered envs: {', '.join(sorted(_REGISTRY))}")
     env = _REGISTRY[name](**cfg)

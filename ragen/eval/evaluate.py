@@ -237,6 +237,9 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
         report[f"pass@{k}"] = sampled.get("pass_at_k")
     if greedy.get("env_errors"):
         notes.append(f"{int(greedy['env_errors'])} greedy episode(s) ended with an env error and are left out")
+    if greedy.get("context_full"):
+        notes.append(f"{greedy['context_full']:.1%} of greedy episodes ended early at the model's context (counted as "
+                     "played: a success only if the env reported one before)")
     if baselines:
         for name in ("random", "expert"):
             row = run_baseline(config, name, seeds, target)

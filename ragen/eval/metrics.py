@@ -27,7 +27,8 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
       float) over the turns whose ``step`` reported it, a turn counting the value of its last step that did (a turn
       whose answer did not parse steps nothing; :data:`ENV_METRIC_PREFIX`; Bandit's ``info_second_listed``).
 
-    Episodes whose env raised are counted in ``{prefix}/env_errors`` and left out of the rest.
+    Episodes whose env raised are counted in ``{prefix}/env_errors`` and left out of the rest;
+    ``context_full`` is the share that ended early because a prompt would not fit the model's context.
     """
     ok = [t for t in trajectories if not t.error]
     turns = [turn for t in ok for turn in t.turns]
@@ -51,6 +52,7 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
             f"{prefix}/valid_action_rate": valid,
             f"{prefix}/effective_action_rate": sum(turn.actions_effective for turn in turns) / executed if executed else 0.0,
             f"{prefix}/turns_per_episode": len(turns) / len(ok),
+            f"{prefix}/context_full": sum(bool(t.context_full) for t in ok) / len(ok),
             f"{prefix}/actions_per_episode": sum(t.num_actions for t in ok) / len(ok),
             f"{prefix}/response_length": sum(t.response_length for t in ok) / max(1, len(turns)),
         }

@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from ragen.sft.preflight import preflight
 
         try:
-            preflight(config, resume=bool(args.resume))
+            preflight(config, resume=bool(args.resume), force=args.force)
         except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
             return _fail(str(exc).splitlines()[0])
         print(to_yaml(config), end="")

@@ -30,6 +30,7 @@ from ragen.agent.parser import parse_response
 from ragen.agent.rollout import AgentSettings
 from ragen.config import RunConfig, load_config
 from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
+from ragen.envs.contract import EnvContractError
 from ragen.files import atomic_open
 from ragen.sft.rationale import explain
 
@@ -164,7 +165,9 @@ def _expert_episodes(config: RunConfig, env: Any, settings: AgentSettings, n: in
         played += 1
         try:
             episode = record_conversation(env, expert, seed=seed, settings=settings, think=think)
-        except ValueError:  # a broken env contract, or the env or expert refusing: already one clear line
+        except EnvContractError as exc:  # the env broke the contract: its sentence, with the seed
+            raise EnvContractError(f"seed {seed}: {exc}") from exc
+        except ValueError:  # the env or the expert refusing (an unsupported env, a bad id): already one clear line
             raise
         except Exception as exc:  # anything else a user env raises: one line naming the seed (the CLI prints it)
             raise ValueError(f"{type(env.unwrapped).__name__} seed {seed}: the expert's episode raised {exc!r}") from exc

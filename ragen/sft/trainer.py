@@ -30,7 +30,7 @@ from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
-from ragen.sft.preflight import check_run_dir
+from ragen.sft.preflight import check_run_dir, data_change_problem
 from ragen.files import file_sha256, strict_json, write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
@@ -227,11 +227,9 @@ class SFTTrainer:
     def _resume(self) -> None:
         path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
                                                self.scheduler, self.seed_rng)
-        saved = json.loads((path / "state.json").read_text()).get("data_sha256")  # None: a checkpoint from before it
-        if saved is not None and saved != self.data_sha256 and not self.force:
-            raise ValueError(f"--resume: {self.config.data.path} changed since {path.name} was written (sha256 "
-                             f"{saved[:12]}… then, {self.data_sha256[:12]}… now): the run would go on with other "
-                             "conversations; pass --force to accept")
+        problem = not self.force and data_change_problem(path, self.config.data.path, self.data_sha256)
+        if problem:
+            raise ValueError(problem)
         truncate_metrics(self.metrics_path, self.start_step)
         print(f"[ragen sft] resumed from {path} (step {self.start_step})", flush=True)
 

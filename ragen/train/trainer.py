@@ -191,6 +191,10 @@ class StarPOTrainer:
             if failed and self.is_main:  # the run goes on (those episodes train on nothing); the user is told why
                 bar.write(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
                           f"(first: {failed[0].error.splitlines()[0]})")
+            full = [t for t in trajectories if t.context_full]
+            if full and self.is_main:
+                bar.write(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
+                          f"context (first: {full[0].context_full})")
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
             t2 = time.perf_counter()

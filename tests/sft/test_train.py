@@ -199,6 +199,7 @@ def test_relative_paths_are_recorded_absolute_so_a_run_loads_from_any_directory(
     assert json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(work / "base")
     assert load_config("bandit", ["model=base"]).model == str(work / "base")
     assert load_config("bandit", ["model=tiny"]).model == "tiny"  # built-in names stay names
+    assert load_config("bandit", ["model=tyni"]).model == "tyni"  # a path that does not exist: its error names it as typed
     here, _ = load_model(str(run))
 
     # elsewhere: a directory of the same name holding another model must not be picked up
@@ -223,9 +224,11 @@ def test_resume_refuses_a_data_file_rewritten_in_place_unless_forced(data, tmp_p
     demos.write_text("\n".join(lines[:-1]) + "\n")  # one conversation fewer, same path
     before = (run / "metrics.jsonl").read_text(), (run / "config.yaml").read_text()
     capsys.readouterr()
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=3", "--print-config"]) == 2  # checked there too
     assert main(["sft", "train", "--resume", str(run), "trainer.max_steps=3"]) == 2
-    err = capsys.readouterr().err
-    assert f"--resume: {demos} changed since step_000002 was written" in err and "pass --force" in err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == err[1]
+    assert f"--resume: {demos} changed since step_000002 was written" in err[1] and "pass --force" in err[1]
     assert ((run / "metrics.jsonl").read_text(), (run / "config.yaml").read_text()) == before  # nothing touched
     assert main(["sft", "train", "--resume", str(run), "--force", "trainer.max_steps=3"]) == 0
     assert [line["step"] for line in metrics(run)] == [0, 1, 2, 3]
