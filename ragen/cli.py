@@ -130,12 +130,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:  # env/algorithm config rejected by its owner: the message names the key
         return _fail(str(exc))
     try:
-        trainer.train()
+        summary = trainer.train()
     finally:
         from ragen.train.distributed import close_distributed
 
         close_distributed()  # under torchrun: leave the process group cleanly
-    return 0
+    return INTERRUPTED if "interrupted_at_step" in summary else 0
+
+
+#: Exit status of a run stopped by Ctrl-C (its checkpoint saved), as shells report SIGINT: ``train && eval`` stops there.
+INTERRUPTED = 128 + 2
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
@@ -238,12 +242,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(str(exc).splitlines()[0] if str(exc) else repr(exc))
     except OSError as exc:  # e.g. a directory with a config.json but no loadable weights
         return _fail(f"model={args.model!r} could not be loaded: {exc}".splitlines()[0])
-    print(format_table(report))
-    if args.json:
+    if args.json:  # written before anything is printed: a reader of stdout that goes away (`| head`) loses nothing
         from ragen.files import strict_json, write_text_atomic
 
         out = Path(args.json)
         write_text_atomic(out, json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")  # NaN -> null
+    print(format_table(report))
+    if args.json:
         print(f"[ragen] wrote {out}")
     return 0
 
@@ -313,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     keep_freed_memory()  # only with RAGEN_MALLOC=keep: large tensors reuse freed pages (ragen/runtime.py)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # stdout's reader went away (`ragen envs | head -1`): stop quietly, as POSIX tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -302,3 +302,13 @@ def test_run_dirs_of_the_other_kind_and_a_missing_env_are_named(tmp_path, capsys
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_closed_stdout_ends_quietly_and_eval_writes_its_json_first(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ragen", "envs"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before ragen prints (`ragen envs | true`)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err

@@ -123,8 +123,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = SFTTrainer(config, resume=bool(args.resume), force=args.force)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
         return _fail(str(exc).splitlines()[0])
-    trainer.train()
-    return 0
+    summary = trainer.train()
+    from ragen.cli import INTERRUPTED
+
+    return INTERRUPTED if "interrupted_at_step" in summary else 0
 
 
 def cmd_merge(args: argparse.Namespace) -> int:

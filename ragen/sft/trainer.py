@@ -132,6 +132,8 @@ class SFTTrainer:
                 print(f"\n[ragen sft] interrupted: checkpoint of step {step} saved; continue with "
                       f"`ragen sft train --resume {self.run_dir}`", flush=True)
                 summary["interrupted_at_step"] = step
+                summary["wall_time_s"] = time.perf_counter() - start
+                write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
                 return summary
             if out_of_time:
                 bar.write(f"[ragen sft] trainer.max_time_s={cfg.max_time_s:g} reached at step {step}: stopping")

@@ -224,10 +224,15 @@ class StarPOTrainer:
                 bar.close()
                 interrupt.restore()
                 print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
-                      f"`ragen train --resume {self.run_dir}`", flush=True)
+                      f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
+                      f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
                 summary["interrupted_at_step"] = step
                 self.close_loggers()
                 self.close_rollout_pool()
+                if self.is_main:  # what the run did so far; final/ and the last validation come with a finishing resume
+                    summary["wall_time_s"] = time.perf_counter() - start
+                    write_text_atomic(self.run_dir / "summary.json",
+                                      json.dumps(strict_json(summary), indent=2, allow_nan=False))
                 return summary
             if stop:
                 bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
@@ -584,12 +589,13 @@ class StarPOTrainer:
         path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
         path.parent.mkdir(exist_ok=True)
         with path.open("w") as f:
-            for traj in trajectories[: self.config.trainer.log_rollouts_n]:
+            for traj in logged_sample(trajectories, self.config.trainer.log_rollouts_n):
                 adv = rows.get(id(traj))
                 n = len(traj.input_ids)
                 record = {
                     "step": step,
                     **traj.to_json(),
+                    "in_update": adv is not None,  # False: filtered out, or an env error (its tokens trained nothing)
                     "tokens": [self.tokenizer.decode([i]) for i in traj.input_ids],
                     "loss_mask": traj.loss_mask,
                     # advantage of token p sits at target p - 1
@@ -654,6 +660,9 @@ class StarPOTrainer:
             raise ValueError(problem)
         if self.is_main:  # rank 0 decides a collapse stop: its monitor picks up where the run was
             self.collapse_monitor.replay(record for record in read_metrics(self.metrics_path) if record["step"] >= 1)
+            for stale in (self.run_dir / "rollouts").glob("step_*.jsonl"):  # logged by the killed process after the
+                if stale.stem[5:].isdigit() and int(stale.stem[5:]) > self.start_step:  # checkpoint: not this run's
+                    stale.unlink()
             print(f"[ragen] resumed from {path} (step {self.start_step})", flush=True)
 
     def _make_run_dir(self, resume: bool) -> Path:
@@ -672,6 +681,21 @@ class StarPOTrainer:
         if self.is_main:
             path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def logged_sample(trajectories: list[Trajectory], n: int) -> list[Trajectory]:
+    """The first ``n`` trajectories to log, whole groups taken from each env tag in turn (a mixed-tag batch lists
+    one tag's groups first: a plain slice would log that tag alone)."""
+    groups: dict[str, dict[int, list[Trajectory]]] = {}
+    for traj in trajectories:
+        groups.setdefault(traj.tag or traj.env_name, {}).setdefault(traj.group_id, []).append(traj)
+    queues = [list(by_id.values()) for by_id in groups.values()]
+    ordered: list[Trajectory] = []
+    for turn in range(max((len(q) for q in queues), default=0)):
+        for queue in queues:
+            if turn < len(queue):
+                ordered += queue[turn]
+    return ordered[:n]
 
 
 @dataclass

@@ -317,6 +317,8 @@ def _adv_scale(trajectories: Iterable[dict]) -> float:
     """Largest |advantage| on a trained token across the trajectories (the colour scale)."""
     scale = 0.0
     for traj in trajectories:
+        if traj.get("in_update") is False:
+            continue
         mask = traj.get("loss_mask") or []
         advs = traj.get("advantages") or []
         if not isinstance(mask, list) or not isinstance(advs, list):
@@ -335,11 +337,14 @@ def render_tokens(traj: dict, scale: float) -> str:
         return "<p class='meta'>No tokens recorded.</p>"
     mask = traj.get("loss_mask") if isinstance(traj.get("loss_mask"), list) else []
     advs = traj.get("advantages") if isinstance(traj.get("advantages"), list) else []
+    left_out = traj.get("in_update") is False  # filtered out (uncertainty filter) or ended with an env error
     spans = []
     for i, token in enumerate(tokens):
         trained = bool(mask[i]) if i < len(mask) else False
         adv = _as_float(advs[i]) if i < len(advs) else None
-        if not trained:
+        if trained and left_out:
+            cls, tip = "m", f"#{i} written by the model; this episode was left out of the update"
+        elif not trained:
             cls, tip = "m", f"#{i} not trained (prompt/env)"
         elif adv is None or not math.isfinite(adv):
             cls, tip = "z", f"#{i} trained, advantage {adv!r}"
@@ -473,8 +478,15 @@ def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, sca
         f"<b>seed</b> {fmt(traj.get('seed'))} &middot; <b>reward</b> {fmt(traj.get('reward'))} &middot; "
         f"<b>success</b> <span class='{'good' if success is True else 'bad'}'>{_succ(success)}</span>"
     )
+    if traj.get("tag") and traj.get("tag") != env:
+        meta = f"<b>tag</b> {e(traj.get('tag'))} &middot; " + meta
     if traj.get("error"):
         meta += f" &middot; <b>error</b> <span class='bad'>{e(traj.get('error'))}</span>"
+    if traj.get("context_full"):
+        meta += f" &middot; <b>ended at the model's context</b> {e(traj.get('context_full'))}"
+    if traj.get("in_update") is False:
+        meta += (" &middot; <b>left out of the update</b> (dropped by the uncertainty filter, or ended with an env "
+                 "error): its tokens are greyed")
     parts = [f"<h1>{e(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
     initial_image = _image_html(frames, 0, env)
     parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env, image=initial_image))

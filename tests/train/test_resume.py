@@ -167,10 +167,13 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     _wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    assert "interrupted: checkpoint of step" in out
+    assert proc.returncode == 130, out  # not a finished run: `ragen train ... && ragen eval ...` stops here
+    assert "interrupted: checkpoint of step" in out and "Traceback" not in out
     path, ckpt = latest_checkpoint(run)
-    assert 1 <= ckpt["state"]["step"] < 50
+    step = ckpt["state"]["step"]
+    assert 1 <= step < 50
+    assert json.loads((run / "summary.json").read_text())["interrupted_at_step"] == step
+    assert f"trainer.total_steps={step}" in out  # how to finish the run at this step (final/, summary)
 
 
 def test_a_smaller_micro_batch_changes_results_only_under_dropout():
@@ -228,3 +231,25 @@ def test_the_monitor_replayed_from_the_log_equals_the_one_that_ran():
     assert ran.collapsed and not replayed.collapsed  # a resume past a collapse stop goes on until the next one
     spike = {"actor/grad_norm": 50.0}
     assert ran.check(spike) == replayed.check(spike) != []
+
+
+def test_resume_deletes_rollout_logs_of_steps_after_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "bandit", *ARGS, "trainer.total_steps=2", "trainer.val_freq=0", "trainer.log_rollouts_freq=1",
+                 f"trainer.output_dir={run}"]) == 0
+    orphan = run / "rollouts" / "step_000007.jsonl"  # as a process killed after its last checkpoint leaves them
+    orphan.write_text("{}\n")
+    mine = sorted(p.name for p in (run / "rollouts").iterdir())
+    assert main(["train", "--resume", str(run), "trainer.total_steps=3"]) == 0
+    assert not orphan.exists()
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == sorted({*mine, "step_000003.jsonl"} - {orphan.name})
+
+
+def test_logged_rollouts_take_whole_groups_from_each_tag_in_turn():
+    from ragen.agent.trajectory import Trajectory
+    from ragen.train.trainer import logged_sample
+
+    batch = [Trajectory(env_name="e", group_id=g, seed=0, tag=tag) for tag, g in
+             [("A", 0), ("A", 0), ("A", 1), ("A", 1), ("B", 2), ("B", 2), ("B", 3), ("B", 3)]]
+    assert [(t.tag, t.group_id) for t in logged_sample(batch, 4)] == [("A", 0), ("A", 0), ("B", 2), ("B", 2)]
+    assert logged_sample(batch, 100) == [batch[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]

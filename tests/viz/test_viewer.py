@@ -382,3 +382,13 @@ def test_sokoban_frames_in_headless_chromium(sokoban_run, tmp_path):
     with Image.open(shot) as img:
         pixels = np.asarray(img.convert("RGB")).reshape(-1, 3)
     assert (pixels == (112, 112, 112)).all(axis=1).sum() > 50
+
+
+def test_episodes_left_out_of_the_update_are_not_shown_as_trained():
+    from ragen.viz.viewer import _adv_scale, render_tokens
+
+    traj = {"tokens": ["a", "b"], "loss_mask": [0, 1], "advantages": [0.0, 0.0], "in_update": False}
+    html = render_tokens(traj, 1.0)
+    assert "left out of the update" in html and "advantage" not in html
+    assert _adv_scale([{**traj, "advantages": [0.0, 9.0]}]) == 0.0  # its zeros set no colour scale
+    assert "advantage +0.5000" in render_tokens({**traj, "advantages": [0.0, 0.5], "in_update": True}, 1.0)
