@@ -30,9 +30,10 @@ DEFAULT_NAME = "curves.png"
 
 
 def _number(value) -> float | None:
+    """A metric value as a float (NaN and ±inf kept: they are drawn as gaps and named in the panel), else None."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
+    if isinstance(value, (int, float)):
         return float(value)
     return None
 
@@ -49,7 +50,7 @@ def load_curves(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, float
     curves: dict[str, list[tuple[float, float]]] = {}
     for position, row in enumerate(read_jsonl(path)):
         step = _number(row.get("step"))
-        x = step if step is not None else float(position)
+        x = step if step is not None and math.isfinite(step) else float(position)
         for key, value in row.items():
             if key == "step":
                 continue
@@ -71,7 +72,7 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
         out.append(name)
     if len(set(out)) < len(out):  # still ambiguous: number them
         out = [f"{i}: {label}" for i, label in enumerate(out)]
-    return out
+    return [label.replace("$", r"\$") for label in out]  # a directory name is text, not matplotlib's $math$
 
 
 def _output_path(run_dirs: Sequence[Path], out: str | os.PathLike | None) -> Path:
@@ -121,6 +122,10 @@ def plot_runs(
     if not panels:
         known = sorted({k for run in curves for k in run})
         raise ValueError(f"plot_runs: none of the plotted metrics found; metrics present: {known}")
+    plotted = {label for _, series in panels for label, _, _ in series}
+    missing = [str(path) for path, label in zip(paths, labels) if label not in plotted]
+    if missing:  # a run that would be named in the title with no line anywhere
+        raise ValueError(f"plot_runs: {', '.join(missing)}: none of the plotted metrics in its metrics.jsonl")
 
     ncols = 2 if len(panels) > 1 else 1
     nrows = math.ceil(len(panels) / ncols)
@@ -128,10 +133,16 @@ def plot_runs(
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     color_of = {label: colors[i % len(colors)] for i, label in enumerate(labels)}
     for ax, (title, series) in zip(axes.flat, panels):
+        odd = sorted({int(x) if float(x).is_integer() else x for _, _, points in series for x, y in points
+                      if not math.isfinite(y)})
         for label, key, points in series:
             xs, ys = zip(*points)
+            ys = [y if math.isfinite(y) else math.nan for y in ys]  # NaN breaks the line: no straight line across
             marker = "o" if len(points) <= 30 else None
             ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
+        if odd:
+            shown = ", ".join(map(str, odd[:6])) + (", ..." if len(odd) > 6 else "")
+            title = f"{title} (NaN/inf at step {shown}: gaps)"
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -59,3 +59,32 @@ def test_cli_plot_and_errors(tmp_path, capsys):
     (empty / "metrics.jsonl").write_text('{"step": 1, "foo": 1}\n')
     assert main(["plot", str(empty)]) == 2
     assert "none of the plotted metrics" in capsys.readouterr().err
+
+
+def test_non_finite_values_are_gaps_named_in_the_title_and_names_are_text(tmp_path, monkeypatch):
+    import math
+
+    import matplotlib.axes
+
+    run = _run(tmp_path, "a$x^2$", 0.1)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[3]["actor/entropy"], rows[4]["actor/grad_norm"] = math.nan, math.inf
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert math.isnan(dict(load_curves(run)["actor/entropy"])[4.0])  # kept, not dropped
+    drawn, titles = {}, []
+    real_plot, real_title = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, xs, ys, **kw: drawn.setdefault(len(drawn), list(ys)) and real_plot(ax, xs, ys, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, **kw: titles.append(t) or real_title(ax, t, **kw))
+    assert _is_png(plot_runs([run])[0])  # a '$' in the name is drawn as text, not parsed as math
+    assert any(t.startswith("actor entropy") and "NaN/inf at step 4" in t for t in titles), titles
+    assert any("NaN/inf at step 5" in t for t in titles if "grad" in t), titles
+    assert sum(math.isnan(y) for ys in drawn.values() for y in ys) == 2  # both drawn as gaps
+
+
+def test_a_run_with_no_plotted_metric_among_several_is_an_error(tmp_path, capsys):
+    a = _run(tmp_path, "good", 0.1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert main(["plot", str(a), str(empty), "--out", str(tmp_path / "two.png")]) == 2
+    assert f"{empty}: none of the plotted metrics" in capsys.readouterr().err
