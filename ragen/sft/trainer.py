@@ -200,7 +200,7 @@ class SFTTrainer:
 
     def log(self, metrics: dict) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")  # NaN/inf as null
 
     def save(self, path: Path) -> None:
         """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors.

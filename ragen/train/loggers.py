@@ -13,6 +13,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ragen.files import strict_json
+
 if TYPE_CHECKING:
     from ragen.config import RunConfig
 
@@ -80,8 +82,8 @@ class JsonlLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         line = metrics if "step" in metrics else {"step": step, **metrics}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        with self.path.open("a") as f:  # strict JSON: NaN/inf as null (jq, JavaScript and pandas read every line)
+            f.write(json.dumps(strict_json(line), allow_nan=False) + "\n")
 
     def close(self) -> None:
         pass

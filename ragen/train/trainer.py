@@ -7,6 +7,7 @@ small named function. The math lives in :mod:`ragen.algos` (pure tensor function
 from __future__ import annotations
 
 import json
+import math
 import random
 import signal
 import time
@@ -552,8 +553,8 @@ class StarPOTrainer:
             return {}
         for line in self.metrics_path.read_text().splitlines():
             record = json.loads(line) if line.strip() else {}
-            if record.get("step") == step:
-                return {k: v for k, v in record.items() if k.startswith("val/")}
+            if record.get("step") == step:  # the log writes NaN as null
+                return {k: math.nan if v is None else v for k, v in record.items() if k.startswith("val/")}
         return {}
 
     def report_validation(self, when: str, metrics: dict[str, float], write=None) -> None:
@@ -601,7 +602,7 @@ class StarPOTrainer:
                     # advantage of token p sits at target p - 1
                     "advantages": [0.0] + (adv[: n - 1].tolist() if adv is not None else [0.0] * (n - 1)),
                 }
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         return path
 
     def log(self, metrics: dict) -> None:

@@ -54,7 +54,7 @@ def load_curves(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, float
         for key, value in row.items():
             if key == "step":
                 continue
-            y = _number(value)
+            y = math.nan if value is None else _number(value)  # the log writes NaN and inf as null: a gap
             if y is not None:
                 curves.setdefault(key, []).append((x, y))
     for points in curves.values():

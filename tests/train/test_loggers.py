@@ -105,3 +105,22 @@ def test_wandb_offline_writes_under_the_run_dir(tmp_path, monkeypatch):
                  "trainer.logger=[console,wandb]"]) == 0
     assert [line["step"] for line in _jsonl(run)] == [0, 1]
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_nan(tmp_path):
+    import math
+
+    from ragen.train.loggers import JsonlLogger
+    from ragen.viz.plots import load_curves
+
+    logger = JsonlLogger(tmp_path / "metrics.jsonl")
+    for step, value in enumerate([0.5, math.nan, math.inf, 0.25], 1):
+        logger.log({"step": step, "critic/explained_variance": value}, step=step)
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["critic/explained_variance"] for line in lines] == [0.5, None, None, 0.25]
+    curve = load_curves(tmp_path)["critic/explained_variance"]  # a null is a gap in the plot, not a dropped point
+    assert [x for x, _ in curve] == [1.0, 2.0, 3.0, 4.0] and sum(math.isnan(y) for _, y in curve) == 2
