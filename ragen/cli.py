@@ -227,8 +227,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     note_lost_env_settings(config)
     config.model = args.model  # set directly: a path or openai:NAME is not re-parsed as YAML
-    if args.k < 0 or (args.n is not None and args.n < max(1, args.k)):
-        return _fail(f"--k must be >= 0 and --n >= --k (got --k {args.k}, --n {args.n})")
+    if args.k < 0:
+        return _fail(f"--k must be >= 0 (got {args.k}; 0 = greedy decoding only)")
+    if args.n is not None and args.k == 0:
+        return _fail(f"--n {args.n} samples per seed for pass@k, but --k 0 samples nothing; give --k >= 1 or drop --n")
+    if args.n is not None and args.n < args.k:
+        return _fail(f"--n must be >= --k: pass@k draws k of the n samples per seed (got --k {args.k}, --n {args.n})")
     if args.json and (Path(args.json).is_dir() or any(p.is_file() for p in Path(args.json).absolute().parents)):
         return _fail(f"--json {args.json}: a directory, or under a file; give a file path")  # found before the eval runs
     _quiet_transformers()

@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,8 +146,8 @@ def test_bad_paths_ports_and_seeds_exit_2_before_any_work(tmp_path, capsys):
     cases = [
         (["eval", "tiny", "bandit", "--json", str(tmp_path)], "a directory, or under a file"),
         (["eval", "tiny", "bandit", "--json", str(blocker / "report.json")], "a directory, or under a file"),
-        (["plot", str(run), "--out", str(blocker / "curves.png")], "File exists"),
-        (["view", str(run), "--out", str(blocker)], "File exists"),
+        (["plot", str(run), "--out", str(blocker / "curves.png")], "is a file, not a directory"),
+        (["view", str(run), "--out", str(blocker)], "is a file, not a directory"),
         (["view", str(run), "--serve", "--port", "99999"], "--port must be in 0..65535"),
         (["play", "bandit", "--seed", "-5"], "--seed must be >= 0"),
         (["train", "--resume", str(run), "sokoban"], "--resume takes the run's own config.yaml; drop 'sokoban'"),
@@ -312,3 +313,13 @@ def test_a_closed_stdout_ends_quietly_and_eval_writes_its_json_first(tmp_path):
     proc.stdout.close()  # the reader goes away before ragen prints (`ragen envs | true`)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err
+
+
+def test_eval_k_and_n_mistakes_say_what_each_means(capsys):
+    for argv, message in ((["--k", "0", "--n", "0"], "--k 0 samples nothing"), (["--k", "0", "--n", "5"], "--k 0 samples nothing"),
+                          (["--k", "2", "--n", "1"], "--n must be >= --k"), (["--k", "-1"], "--k must be >= 0 (got -1")):
+        assert main(["eval", "tiny", "bandit", *argv]) == 2
+        assert message in capsys.readouterr().err
+    run = Path(__file__).parent  # any directory holding a file
+    assert main(["view", str(Path(__file__))]) == 2
+    assert f"is a file; give the run directory that holds it ({run})" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from ragen.files import file_in_the_way
 from ragen.viz.viewer import read_jsonl
 
 __all__ = ["PANELS", "load_curves", "plot_runs"]
@@ -82,6 +83,9 @@ def _output_path(run_dirs: Sequence[Path], out: str | os.PathLike | None) -> Pat
         target = Path(out)
         if target.suffix.lower() != ".png":
             target = target / DEFAULT_NAME
+    in_the_way = file_in_the_way(target.parent)
+    if in_the_way is not None:
+        raise FileExistsError(f"--out {out}: {in_the_way} is a file, not a directory")
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ragen.config import written_by_ragen
+from ragen.files import file_in_the_way
 from ragen.viz.frames import Frames, read_run_config, replay_frames
 
 __all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
@@ -547,12 +548,17 @@ def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = N
     ``rollouts/`` and no ``config.yaml`` of a run that has just started), before writing anything.
     """
     run = Path(run_dir)
+    if run.is_file():
+        raise FileNotFoundError(f"{run} is a file; give the run directory that holds it ({run.parent})")
     if not run.is_dir():
         raise FileNotFoundError(f"run directory not found: {run}")
     if not ((run / "metrics.jsonl").is_file() or (run / "rollouts").is_dir() or written_by_ragen(run / "config.yaml")):
         raise FileNotFoundError(f"{run} holds no run to view (no metrics.jsonl, no rollouts/, no run's config.yaml); "
                                 "give a run directory")
     out = Path(out_dir) if out_dir is not None else run / "viewer"
+    in_the_way = file_in_the_way(out)
+    if in_the_way is not None:
+        raise FileExistsError(f"--out {out}: {in_the_way} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
     run_name = run.resolve().name
     metrics = _metrics_by_step(run)
