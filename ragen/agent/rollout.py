@@ -273,7 +273,9 @@ class Rollout:
         if ep.actions_left is not None:
             action_ids = action_ids[: ep.actions_left]
         turn = Turn(response=text, actions=parsed.actions, format_valid=parsed.format_valid, env_reward=0.0, format_penalty=0.0)
-        if parsed.format_valid and not traj.error:
+        if traj.error:  # parse_action failed: nothing is stepped, and the episode ends with its error
+            pass
+        elif parsed.format_valid:
             ep.observation = self._step(ep, action_ids, turn)
         else:
             turn.format_penalty = settings.format_penalty

@@ -273,6 +273,7 @@ class StarPOTrainer:
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Filter → score → advantages → ``ppo_epochs`` passes of clipped-PG mini-batch steps."""
         alg = self.config.algorithm
+        self.last_advantages = None  # this step's, once computed: a skipped update logs every episode as left out
         usable = [t for t in trajectories if not t.error and t.response_length > 0]
         if not usable:
             return {"actor/skipped_update": 1.0}
