@@ -445,12 +445,15 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
     for i, traj in enumerate(trajectories):
         turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
         success = traj.get("success")
-        cls = "ok" if success is True else ("fail" if success is False else "")
+        errored = bool(traj.get("error"))  # the env failed: no reward or success to judge the model by
+        cls = "" if errored else ("ok" if success is True else ("fail" if success is False else ""))
+        env = traj.get("env", "")
+        shown = f"{env} ({traj['tag']})" if traj.get("tag") and traj.get("tag") != env else env
         rows.append(
             f"<tr class='{cls}'><td><a href='{_step_name(step)}/{_traj_name(i)}'>#{i}</a></td>"
-            f"<td class='l'>{e(traj.get('env', ''))}</td><td>{fmt(traj.get('group_id'))}</td>"
-            f"<td>{fmt(traj.get('seed'))}</td><td>{fmt(traj.get('reward'))}</td>"
-            f"<td class='succ'>{_succ(success)}</td><td>{len(turns)}</td>"
+            f"<td class='l'>{e(shown)}</td><td>{fmt(traj.get('group_id'))}</td>"
+            f"<td>{fmt(traj.get('seed'))}</td><td>{'&ndash;' if errored else fmt(traj.get('reward'))}</td>"
+            f"<td class='succ'>{'env error' if errored else _succ(success)}</td><td>{len(turns)}</td>"
             f"<td class='l'>{e(traj.get('error') or '')}</td></tr>"
         )
     table = (

@@ -392,3 +392,13 @@ def test_episodes_left_out_of_the_update_are_not_shown_as_trained():
     assert "left out of the update" in html and "advantage" not in html
     assert _adv_scale([{**traj, "advantages": [0.0, 9.0]}]) == 0.0  # its zeros set no colour scale
     assert "advantage +0.5000" in render_tokens({**traj, "advantages": [0.0, 0.5], "in_update": True}, 1.0)
+
+
+def test_the_step_table_shows_tags_and_env_errors_as_such():
+    from ragen.viz.viewer import _step_page
+
+    trajs = [{"env": "bandit", "tag": "BanditTest", "success": False, "reward": 0.0, "error": "Env.step raised X", "turns": []},
+             {"env": "bandit", "tag": "bandit", "success": True, "reward": 1.0, "turns": [{}]}]
+    page = _step_page("run", 3, {}, trajs, None, None)
+    assert "bandit (BanditTest)" in page and "env error" in page
+    assert "<tr class=''>" in page and "<tr class='ok'>" in page  # the errored row is neither a success nor a failure
