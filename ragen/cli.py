@@ -324,9 +324,24 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # only with RAGEN_MALLOC=keep: large tensors reuse freed pages (ragen/runtime.py)
     try:
         return args.func(args)
-    except BrokenPipeError:  # stdout's reader went away (`ragen envs | head -1`): stop quietly, as POSIX tools do
+    except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe or socket inside the command broke: a real error, not ours to hide
+            raise
+        # stdout's reader went away (`ragen envs | head -1`): stop quietly, as POSIX tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (poll reports an error on the write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here, or stdout has no file descriptor
+        return False
 
 
 if __name__ == "__main__":

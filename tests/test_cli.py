@@ -323,3 +323,14 @@ def test_eval_k_and_n_mistakes_say_what_each_means(capsys):
     run = Path(__file__).parent  # any directory holding a file
     assert main(["view", str(Path(__file__))]) == 2
     assert f"is a file; give the run directory that holds it ({run})" in capsys.readouterr().err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
+    import ragen.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError("a child process went away")
+
+    monkeypatch.setattr(cli, "cmd_envs", broken)
+    with pytest.raises(BrokenPipeError, match="child process"):
+        main(["envs"])  # stdout still works: the error is the command's own

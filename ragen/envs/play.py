@@ -23,6 +23,7 @@ from typing import Any, Callable
 import yaml
 
 import ragen.envs
+from ragen.envs.contract import checked_reset, instructions_problem
 from ragen.agent.context import PromptFormat
 from ragen.agent.rollout import AgentSettings
 
@@ -119,7 +120,11 @@ def play(
     env = ragen.envs.make(env_name, **(cfg or {}))
     raw = env.unwrapped
     fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
-    observation, _ = env.reset(seed=seed)
+    observation, _ = checked_reset(env, env.reset(seed=seed))
+    instructions = settings.instructions or getattr(raw, "instructions", None)  # as the rollout takes them
+    problem = instructions_problem(env, instructions)
+    if problem:
+        raise ValueError(problem)
     limit = settings.max_actions_per_traj
     actions_left = limit if limit > 0 else None
     if settings.system_prompt:
@@ -127,7 +132,7 @@ def play(
     if settings.response_prefix:
         print_fn(f"(the model's reply is prefilled with {settings.response_prefix!r}; bare action names work too)")
     print_fn(RULE)
-    print_fn(fmt.first_user_message(raw.instructions, observation, 1, actions_left))
+    print_fn(fmt.first_user_message(instructions, observation, 1, actions_left))
     total, success, turns, done = 0.0, False, 0, False
     while not done:
         try:

@@ -176,8 +176,10 @@ class StarPOTrainer:
                 summary["val_before"] = before
             if self.start_step >= cfg.trainer.total_steps:  # nothing left to run: keep the run's last validation
                 after = self.logged_validation(step=self.start_step)
-                if after:
-                    summary["val_after"] = after
+                if not after:  # e.g. finishing a run Ctrl-C stopped between validations: validate it now, as its end
+                    after = self.validate(self.start_step)
+                    self.log({"step": self.start_step, **after})
+                summary["val_after"] = after
                 if self.is_main:
                     print(f"[ragen] the run is at step {self.start_step} of trainer.total_steps={cfg.trainer.total_steps}: "
                           "no step left to run (raise trainer.total_steps to continue it)", flush=True)

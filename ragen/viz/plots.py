@@ -118,7 +118,7 @@ def plot_runs(
     for title, keys in PANELS:
         series = []
         for label, run in zip(labels, curves):
-            key = next((k for k in keys if run.get(k)), None)
+            key = next((k for k in keys if any(math.isfinite(y) for _, y in run.get(k, ()))), None)  # a value to draw
             if key is not None:
                 series.append((label, key, run[key]))
         if series:
@@ -142,7 +142,8 @@ def plot_runs(
         for label, key, points in series:
             xs, ys = zip(*points)
             ys = [y if math.isfinite(y) else math.nan for y in ys]  # NaN breaks the line: no straight line across
-            marker = "o" if len(points) <= 30 else None
+            # markers on short series, and on any with gaps: a value between two NaNs has no line to show it
+            marker = "o" if len(points) <= 30 else ("." if any(math.isnan(y) for y in ys) else None)
             ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
         if odd:
             shown = ", ".join(map(str, odd[:6])) + (", ..." if len(odd) > 6 else "")

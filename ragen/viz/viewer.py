@@ -188,7 +188,7 @@ def _metrics_by_step(run_dir: Path) -> dict[int, dict]:
         step = _as_int(row.get("step"))
         if step is None:
             continue
-        merged.setdefault(step, {}).update(row)
+        merged.setdefault(step, {}).update({k: math.nan if v is None else v for k, v in row.items()})  # null: NaN/inf
     return merged
 
 
@@ -489,8 +489,8 @@ def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, sca
     if traj.get("context_full"):
         meta += f" &middot; <b>ended at the model's context</b> {e(traj.get('context_full'))}"
     if traj.get("in_update") is False:
-        meta += (" &middot; <b>left out of the update</b> (dropped by the uncertainty filter, or ended with an env "
-                 "error): its tokens are greyed")
+        meta += (" &middot; <b>left out of the update</b> (dropped by the uncertainty filter, an env error, no token "
+                 "written, or the step's update skipped): its tokens are greyed")
     parts = [f"<h1>{e(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
     initial_image = _image_html(frames, 0, env)
     parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env, image=initial_image))

@@ -252,3 +252,15 @@ def test_a_chat_api_backend_is_sent_escaped_messages(tokenizer):
     Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run([Injecting()], [0], [0], ["walk"])
     (user,) = [m["content"] for m in backend.sent[0] if m["role"] == "user"]
     assert user.endswith(f"<{WORD_JOINER}|im_end|>") and "<|im_end|>" not in user
+
+
+def test_play_takes_instructions_as_the_rollout_does(monkeypatch):
+    from ragen.envs.play import play
+
+    monkeypatch.setitem(_REGISTRY, "test_contract_play_no_instructions", NoInstructions)
+    with pytest.raises(ValueError, match="NoInstructions has no text `instructions`"):
+        play("test_contract_play_no_instructions", input_fn=lambda prompt: "quit", print_fn=lambda *a: None)
+    shown = []
+    play("test_contract_play_no_instructions", seed=0, input_fn=lambda prompt: "quit", print_fn=shown.append,
+         agent={"instructions": "Walk right."})
+    assert any("Walk right." in str(line) for line in shown)

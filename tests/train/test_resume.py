@@ -163,7 +163,8 @@ def test_a_run_from_before_disable_dropout_resumes_with_dropout_as_it_trained(tm
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     no_periodic_saves = [a for a in ARGS if not a.startswith("trainer.save_freq")] + ["trainer.save_freq=0"]
-    proc = _ragen("train", "bandit", "trainer.total_steps=50", f"trainer.output_dir={run}", *no_periodic_saves)
+    proc = _ragen("train", "bandit", "trainer.total_steps=50", f"trainer.output_dir={run}", *no_periodic_saves,
+                  "trainer.val_freq=0")
     _wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
@@ -174,6 +175,9 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert 1 <= step < 50
     assert json.loads((run / "summary.json").read_text())["interrupted_at_step"] == step
     assert f"trainer.total_steps={step}" in out  # how to finish the run at this step (final/, summary)
+    assert main(["train", "--resume", str(run), f"trainer.total_steps={step}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_after"]["val/episodes"] > 0 and (run / "final").is_dir()  # validated now: none was logged there
 
 
 def test_a_smaller_micro_batch_changes_results_only_under_dropout():
