@@ -69,7 +69,7 @@ def run_era_overrides(config_yaml: str) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ragen.config import ConfigError, load_config, result_changing_differences, sft_run_config
+    from ragen.config import ConfigError, load_config, result_changing_differences, run_kind
 
     overrides = list(args.overrides)
     preset = args.preset
@@ -86,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not saved.read_bytes().strip():  # read as the defaults, it would resume another model's run
             return _fail(f"--resume {run_dir}: its config.yaml is empty (the run dir is damaged)")
         preset = str(saved)
-        if sft_run_config(saved):
+        if run_kind(saved) == "sft":
             return _fail(f"--resume {run_dir}: a `ragen sft train` run; continue it with `ragen sft train --resume {run_dir}`")
         typed = list(overrides)  # what the user wrote, for the notes below
         overrides.append(f"trainer.output_dir={run_dir}")
@@ -207,7 +207,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores, sft_run_config
+    from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores, run_kind
 
     preset = args.env
     if preset is None:
@@ -217,7 +217,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         preset = str(Path(preset) / "config.yaml")
         if not Path(preset).read_bytes().strip():
             return _fail(f"{preset} is empty (the run dir is damaged); give the env or YAML config instead")
-        if sft_run_config(preset):
+        if run_kind(preset) == "sft":
             return _fail(f"{args.env} is a `ragen sft train` run: its config names no env; give the env to evaluate "
                          f"on (e.g. `ragen eval {args.env} bandit`)")
     try:
@@ -247,10 +247,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except OSError as exc:  # e.g. a directory with a config.json but no loadable weights
         return _fail(f"model={args.model!r} could not be loaded: {exc}".splitlines()[0])
     if args.json:  # written before anything is printed: a reader of stdout that goes away (`| head`) loses nothing
-        from ragen.files import strict_json, write_text_atomic
+        from ragen.files import strict_dumps, write_text_atomic
 
         out = Path(args.json)
-        write_text_atomic(out, json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")  # NaN -> null
+        write_text_atomic(out, strict_dumps(report, indent=2) + "\n")  # NaN -> null
     print(format_table(report))
     if args.json:
         print(f"[ragen] wrote {out}")

@@ -391,23 +391,18 @@ def _bad_yaml_value(item: str) -> bool:
         return True
 
 
-def sft_run_config(path: str | Path) -> bool:
-    """Whether ``path`` (a run's config.yaml) is ``ragen sft train``'s (it has ``data`` and no ``env``/``es``/``rollout``):
-    the RL commands name the mix-up instead of failing on the key ``data``."""
+def run_kind(path: str | Path) -> str | None:
+    """``"sft"`` or ``"rl"`` for a run's config.yaml at ``path`` (``ragen sft train``'s has ``data`` and none of
+    ``env``/``es``/``rollout``; ``ragen train``'s the reverse), else None: the commands name a mix-up instead of
+    failing on a key the other kind has."""
     try:
         saved = yaml.safe_load(Path(path).read_text())
     except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(saved, dict) and "data" in saved and not {"env", "es", "rollout"} & set(saved)
-
-
-def rl_run_config(path: str | Path) -> bool:
-    """Whether ``path`` (a run's config.yaml) is ``ragen train``'s (it has ``env``, ``es`` or ``rollout``, no ``data``)."""
-    try:
-        saved = yaml.safe_load(Path(path).read_text())
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(saved, dict) and "data" not in saved and bool({"env", "es", "rollout"} & set(saved))
+        return None
+    if not isinstance(saved, dict):
+        return None
+    sft, rl = "data" in saved, bool({"env", "es", "rollout"} & set(saved))
+    return "sft" if sft and not rl else "rl" if rl and not sft else None
 
 
 def builtin_model_names() -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -95,7 +96,12 @@ def strict_json(value):
     return value
 
 
-__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way", "strict_json", "file_sha256"]
+def strict_dumps(value, indent: int | None = None) -> str:
+    """``value`` as strict JSON text (:func:`strict_json`: NaN and infinities as ``null``), for files other tools read."""
+    return json.dumps(strict_json(value), indent=indent, allow_nan=False)
+
+
+__all__ = ["atomic_open", "write_text_atomic", "write_dir_atomic", "file_in_the_way", "strict_json", "strict_dumps", "file_sha256"]
 
 
 def file_sha256(path: str | Path) -> str:

@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ragen.config import ConfigError, rl_run_config
+    from ragen.config import ConfigError, run_kind
     from ragen.sft.config import load_sft_config, result_changing_differences
 
     overrides = list(args.overrides)
@@ -86,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         yaml_path = str(Path(args.resume) / "config.yaml")
         if not Path(yaml_path).is_file():
             return _fail(f"--resume {args.resume}: not a run directory (no config.yaml)")
-        if rl_run_config(yaml_path):
+        if run_kind(yaml_path) == "rl":
             return _fail(f"--resume {args.resume}: a `ragen train` (RL) run; continue it with `ragen train --resume {args.resume}`")
         overrides.append(f"trainer.output_dir={args.resume}")
     elif not args.data:

@@ -8,7 +8,6 @@ empty or holds a line that is not a conversation (``FILE:LINE``). Limits that ne
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ragen.config import taken_run_entries
@@ -19,7 +18,6 @@ from ragen.train.preflight import check_resumable, not_a_directory
 from ragen.sft.config import SFTConfig
 from ragen.sft.data import record_problem
 from ragen.sft.generate import iter_jsonl
-from ragen.train.checkpoint import COMPLETE
 
 #: What an SFT run writes into its dir: a new (non-resume) run refuses a dir that holds any of them.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final")
@@ -53,38 +51,28 @@ def check_data(path: str) -> None:
         raise ValueError(f"{path}: no records")
 
 
-def data_change_problem(checkpoint: Path, data_path: str, sha256: str | None = None) -> str | None:
-    """Why resuming from ``checkpoint`` on ``data_path`` would train on other conversations, or None.
-
-    The checkpoint's ``data_sha256`` (written since stop 39; older checkpoints have none and pass) against the
-    file's now (``sha256`` if the caller hashed it already)."""
-    try:
-        saved = json.loads((checkpoint / "state.json").read_text()).get("data_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None  # an unreadable state is the checkpoint loader's error to report
+def data_change_problem(checkpoint: Path, state: dict, data_path: str, sha256: str | None = None) -> str | None:
+    """Why resuming from ``checkpoint`` (its ``state.json`` as ``state``) on ``data_path`` would train on other
+    conversations, or None: the checkpoint's ``data_sha256`` (written since stop 39; older checkpoints have none and
+    pass) against the file's now (``sha256`` if the caller hashed it already)."""
+    saved = state.get("data_sha256")
+    if saved is None:
+        return None
     now = sha256 or file_sha256(data_path)
-    if saved is None or saved == now:
+    if saved == now:
         return None
     return (f"--resume: {data_path} changed since {checkpoint.name} was written (sha256 {saved[:12]}… then, "
             f"{now[:12]}… now): the run would go on with other conversations; pass --force to accept")
-
-
-def newest_complete_checkpoint(run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step_*`` holding its completion marker (what a resume restores, unless it is damaged)."""
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / COMPLETE).is_file()]
-    return max(done, default=None)
 
 
 def preflight(config: SFTConfig, resume: bool = False, force: bool = False) -> None:
     """Raise the error an SFT run of ``config`` would stop on at start-up (see the module docstring)."""
     if config.trainer.output_dir:  # empty: a fresh runs/sft-TIME dir
         check_run_dir(Path(config.trainer.output_dir), resume)
-    if resume:
-        check_resumable(Path(config.trainer.output_dir))
+    checkpoint = check_resumable(Path(config.trainer.output_dir)) if resume else None
     resolve_device(config.trainer.device)
     check_model(config.model)
     check_data(config.data.path)
-    checkpoint = newest_complete_checkpoint(Path(config.trainer.output_dir)) if resume else None
-    problem = checkpoint and not force and data_change_problem(checkpoint, config.data.path)
+    problem = checkpoint and not force and data_change_problem(*checkpoint, config.data.path)
     if problem:
         raise ValueError(problem)

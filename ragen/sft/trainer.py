@@ -31,7 +31,7 @@ from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.sft.preflight import check_run_dir, data_change_problem
-from ragen.files import file_sha256, strict_json, write_dir_atomic, write_text_atomic
+from ragen.files import file_sha256, strict_dumps, write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw
@@ -133,7 +133,7 @@ class SFTTrainer:
                       f"`ragen sft train --resume {self.run_dir}`", flush=True)
                 summary["interrupted_at_step"] = step
                 summary["wall_time_s"] = time.perf_counter() - start
-                write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
+                write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
                 return summary
             if out_of_time:
                 bar.write(f"[ragen sft] trainer.max_time_s={cfg.max_time_s:g} reached at step {step}: stopping")
@@ -146,7 +146,7 @@ class SFTTrainer:
         if cfg.save_final:
             self.save(self.run_dir / "final")
         summary["wall_time_s"] = time.perf_counter() - start
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
+        write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
         print(f"[ragen sft] eval loss after: {after.get('eval/loss', float('nan')):.4f}  run dir: {self.run_dir}  "
               f"({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
@@ -200,7 +200,7 @@ class SFTTrainer:
 
     def log(self, metrics: dict) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")  # NaN/inf as null
+            f.write(strict_dumps(metrics) + "\n")  # NaN/inf as null
 
     def save(self, path: Path) -> None:
         """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors.
@@ -229,7 +229,8 @@ class SFTTrainer:
     def _resume(self) -> None:
         path, self.start_step = restore_latest(self.run_dir, self.checkpoint_tensors(), self.optimizer,
                                                self.scheduler, self.seed_rng)
-        problem = not self.force and data_change_problem(path, self.config.data.path, self.data_sha256)
+        state = json.loads((path / "state.json").read_text())  # restore_latest read it whole just now
+        problem = not self.force and data_change_problem(path, state, self.config.data.path, self.data_sha256)
         if problem:
             raise ValueError(problem)
         truncate_metrics(self.metrics_path, self.start_step)

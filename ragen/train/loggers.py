@@ -7,13 +7,12 @@ viewer, ``ragen plot`` and ``--resume`` read it.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ragen.files import strict_json
+from ragen.files import strict_dumps
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
@@ -83,7 +82,7 @@ class JsonlLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         line = metrics if "step" in metrics else {"step": step, **metrics}
         with self.path.open("a") as f:  # strict JSON: NaN/inf as null (jq, JavaScript and pandas read every line)
-            f.write(json.dumps(strict_json(line), allow_nan=False) + "\n")
+            f.write(strict_dumps(line) + "\n")
 
     def close(self) -> None:
         pass

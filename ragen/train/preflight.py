@@ -47,13 +47,15 @@ def run_dir_problem(path: Path) -> str | None:
     return None
 
 
-def check_resumable(run_dir: Path) -> None:
+def check_resumable(run_dir: Path) -> tuple[Path, dict]:
     """Raise what ``--resume run_dir`` would stop on before training: no valid checkpoint (reads the newest ones,
-    as the resume does), or a damaged ``metrics.jsonl`` (checked, not trimmed)."""
+    as the resume does), or a damaged ``metrics.jsonl`` (checked, not trimmed). Returns the checkpoint the resume
+    would restore: ``(path, its state.json)``."""
     found = latest_checkpoint(run_dir)
     if found is None:
         raise FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
     metrics_to_keep(run_dir / "metrics.jsonl", int(found[1]["state"]["step"]))
+    return found[0], found[1]["state"]
 
 
 def preflight(config: RunConfig, resume: bool = False) -> None:

@@ -26,7 +26,7 @@ from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
-from ragen.files import strict_json, write_text_atomic
+from ragen.files import strict_dumps, write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import disable_dropout
@@ -234,8 +234,7 @@ class StarPOTrainer:
                 self.close_rollout_pool()
                 if self.is_main:  # what the run did so far; final/ and the last validation come with a finishing resume
                     summary["wall_time_s"] = time.perf_counter() - start
-                    write_text_atomic(self.run_dir / "summary.json",
-                                      json.dumps(strict_json(summary), indent=2, allow_nan=False))
+                    write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
                 return summary
             if stop:
                 bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
@@ -256,7 +255,7 @@ class StarPOTrainer:
         summary["wall_time_s"] = time.perf_counter() - start
         if "val_after" in summary:
             self.report_validation("after training", summary["val_after"])
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False))
+        write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
         print(f"[ragen] run dir: {self.run_dir}  ({summary['wall_time_s']:.0f} s)", flush=True)
         return summary
 
@@ -552,10 +551,7 @@ class StarPOTrainer:
 
     def logged_validation(self, step: int) -> dict[str, float]:
         """The ``val/*`` metrics ``metrics.jsonl`` holds for ``step`` (empty if none were logged)."""
-        if not self.metrics_path.is_file():
-            return {}
-        for line in self.metrics_path.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
+        for record in read_metrics(self.metrics_path):
             if record.get("step") == step:  # the log writes NaN as null
                 return {k: math.nan if v is None else v for k, v in record.items() if k.startswith("val/")}
         return {}
@@ -605,7 +601,7 @@ class StarPOTrainer:
                     # advantage of token p sits at target p - 1
                     "advantages": [0.0] + (adv[: n - 1].tolist() if adv is not None else [0.0] * (n - 1)),
                 }
-                f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+                f.write(strict_dumps(record) + "\n")
         return path
 
     def log(self, metrics: dict) -> None:
