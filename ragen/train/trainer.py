@@ -29,7 +29,7 @@ from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import strict_dumps, write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
-from ragen.models.dropout import disable_dropout
+from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
 from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
@@ -87,9 +87,15 @@ class StarPOTrainer:
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
         self.model.to(self.device)
         alg = config.algorithm
-        if alg.disable_dropout and (dropped := disable_dropout(self.model)) and self.is_main:  # before LoRA's own
-            print(f"[ragen] dropout off for RL (algorithm.disable_dropout): {len(dropped)} place(s), e.g. {dropped[0]}",
-                  flush=True)
+        #: Config fields holding dropout the model reads at each forward, zeroed for RL: put back while saving.
+        self.config_dropout: dict[str, float] = {}
+        if alg.disable_dropout:  # before LoRA's own
+            dropped = disable_dropout(self.model)
+            self.config_dropout = disable_config_dropout(self.model)
+            dropped += [f"{name}={value:g}" for name, value in self.config_dropout.items()]
+            if dropped and self.is_main:
+                print(f"[ragen] dropout off for RL (algorithm.disable_dropout): {len(dropped)} place(s), e.g. {dropped[0]}",
+                      flush=True)
         uses_kl = alg.use_kl_loss or alg.use_kl_in_reward
         # Under LoRA the reference policy is the base with adapters disabled; otherwise a frozen copy.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if uses_kl and config.lora.rank == 0 else None
@@ -621,7 +627,8 @@ class StarPOTrainer:
 
     def save(self, path: Path) -> None:
         """Final weights (or LoRA adapter naming its base model spec) + tokenizer, as safetensors (rank 0: under FSDP from its synced replica)."""
-        self.rollout_model.save_pretrained(path, safe_serialization=True)
+        with config_as_loaded(self.rollout_model, self.config_dropout):  # the model's own dropout settings
+            self.rollout_model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         adapter_config = path / "adapter_config.json"
         if adapter_config.is_file():

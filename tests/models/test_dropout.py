@@ -60,3 +60,43 @@ def test_an_update_is_the_same_function_as_the_scoring_only_without_dropout(disa
         trainer.update(shared_prompt_trajectories(trainer.tokenizer))
     difference = float((grads[6] - grads[1]).norm() / grads[6].norm())
     assert difference < 1e-4 if disable else difference > 1e-2
+
+
+def test_dropout_a_model_reads_from_its_config_is_zeroed_for_training_and_kept_in_what_is_saved(tmp_path):
+    """transformers' Falcon reads ``config.attention_dropout`` / ``config.hidden_dropout`` at every forward (no module or
+    attribute of its own): without zeroing the config, training-mode forwards stay random after :func:`disable_dropout`."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from ragen.models.dropout import config_as_loaded, disable_config_dropout
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          attention_dropout=0.5, hidden_dropout=0.5, new_decoder_architecture=False)
+    torch.manual_seed(0)
+    model = FalconForCausalLM(config).train()
+    ids = torch.arange(12).view(2, 6)
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout on, read from the config
+    disable_dropout(model)
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # no module or attribute held it
+    old = disable_config_dropout(model)
+    assert old == {"config.attention_dropout": 0.5, "config.hidden_dropout": 0.5}
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    with config_as_loaded(model, old):
+        model.save_pretrained(tmp_path)
+    assert model.config.attention_dropout == 0.0 and model.config.hidden_dropout == 0.0  # zeroed again
+    saved = FalconConfig.from_pretrained(tmp_path)
+    assert saved.attention_dropout == 0.5 and saved.hidden_dropout == 0.5
+
+
+def test_the_trainer_saves_the_config_dropout_it_trained_without(tmp_path, monkeypatch):
+    def load(spec, seed=0):
+        model, tokenizer = load_tiny(seed=seed)
+        model.config.attention_dropout = 0.25  # the tiny Llama copies it into its attention modules at build time only
+        return model, tokenizer
+
+    monkeypatch.setattr(trainer_module, "load_model", load)
+    config = load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_episodes=1"])
+    trainer = StarPOTrainer(config)
+    assert trainer.config_dropout == {"config.attention_dropout": 0.25} and trainer.model.config.attention_dropout == 0.0
+    trainer.save(tmp_path / "final")
+    import json
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["attention_dropout"] == 0.25
