@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ragen.algos.core import group_stats, masked_mean, masked_whiten
+from ragen.algos.core import group_stats, masked_mean, masked_whiten, widened
 from ragen.algos.registry import register_adv_estimator
 
 
@@ -62,9 +62,12 @@ class AdvantageOutputs:
 
 
 def sequence_scores(token_rewards: Tensor) -> Tensor:
-    """Per-sequence score: (B, T) → (B,), the sum of the token rewards over the sequence."""
+    """Per-sequence score: (B, T) → (B,), the sum of the token rewards over the sequence.
+
+    Summed in fp64 (:func:`~ragen.algos.core.widened`), so equal returns paid in other turns give equal scores
+    (in fp32 the sum depends on the order), and returned in the rewards' float dtype."""
     rewards = token_rewards if token_rewards.is_floating_point() else token_rewards.float()
-    return rewards.sum(dim=-1)
+    return widened(rewards).sum(dim=-1).to(rewards.dtype)
 
 
 def broadcast_to_tokens(seq_adv: Tensor, response_mask: Tensor) -> Tensor:
@@ -252,10 +255,12 @@ def masked_gae(
 
 
 def _batch_normalize(x: Tensor, mask: Tensor, by_std: bool, eps: float) -> Tensor:
-    """Whitening over all masked tokens (or centring only); 0 outside ``mask``. (B, T) → (B, T)."""
+    """Whitening over all masked tokens (or centring only); 0 outside ``mask``. (B, T) → (B, T), in fp64
+    (:func:`~ragen.algos.core.widened`), returned in ``x``'s dtype."""
     if by_std:
         return masked_whiten(x, mask, eps=eps)
-    return torch.where(mask.bool(), x - masked_mean(x, mask), 0.0)
+    wide = widened(x)
+    return torch.where(mask.bool(), wide - masked_mean(wide, mask), 0.0).to(x.dtype)
 
 
 def _require(inp: AdvantageInputs, estimator: str, *fields: str) -> None:
@@ -274,10 +279,10 @@ def reinforce_pp(inp: AdvantageInputs) -> AdvantageOutputs:
     (only centred without ``norm_adv_by_std``). Shapes (B, T) → (B, T); returns = G.
     """
     mask = inp.response_mask.bool()
-    zeros = torch.zeros_like(inp.token_rewards)
-    returns = masked_gae(inp.token_rewards, zeros, mask, inp.gamma, lam=1.0)  # (B, T) G_t
+    rewards = _fp64(inp.token_rewards)  # equal returns stay equal through the chain (see _fp64)
+    returns = masked_gae(rewards, torch.zeros_like(rewards), mask, inp.gamma, lam=1.0)  # (B, T) G_t
     advantages = _batch_normalize(returns, mask, inp.norm_adv_by_std, inp.eps)
-    return _token_outputs(advantages, returns, inp)
+    return _token_outputs(*_as(inp.token_rewards, advantages, returns), inp)
 
 
 @register_adv_estimator("reinforce_pp_baseline")

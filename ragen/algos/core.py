@@ -40,6 +40,18 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return x.sum() if dim is None else x.sum(dim)
 
 
+def widened(x: Tensor) -> Tensor:
+    """``x`` in fp64 for a normalisation's sums (floating ``x`` not on MPS, which has no fp64; else ``x`` itself).
+
+    A sum of n fp32 values in fp64 is exact for any n and reward range a run sees, so n equal values get exactly
+    their value as mean (the exact sum divided by n rounds to it) and exactly 0 as deviation. In fp32 the mean of
+    eight 9.9s is 1 ulp off, and ``(s − mean) / (std + eps)`` turned that ~1e-6 into an advantage of −0.47 for
+    every member of a group whose episodes all scored alike (GRPO's advantage there is 0); sums in another order
+    (the same return from turn rewards in other turns) differed the same way.
+    """
+    return x.double() if x.is_floating_point() and x.device.type != "mps" else x
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is set; 0 where nothing is masked in.
 
@@ -62,14 +74,16 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6, shift_mean: bool =
     """Batch whitening over masked tokens: ``(x − mean) / (std + eps)``, 0 outside the mask.
 
     ``mean``/``std`` are over all masked positions of the (B, T) tensor; ``std`` is unbiased.
-    With ``shift_mean=False`` the mean is added back (scale-only normalisation).
+    With ``shift_mean=False`` the mean is added back (scale-only normalisation). Computed in fp64
+    (:func:`widened`), returned in ``x``'s dtype.
     """
-    mean = masked_mean(x, mask)
-    std = masked_var(x, mask).sqrt()
-    out = (x - mean) / (std + eps)
+    wide = widened(x)  # equal values whiten to exactly 0 (see widened)
+    mean = masked_mean(wide, mask)
+    std = masked_var(wide, mask).sqrt()
+    out = (wide - mean) / (std + eps)
     if not shift_mean:
         out = out + mean
-    return _zero_outside(out, mask)
+    return _zero_outside(out, mask).to(x.dtype)
 
 
 def group_stats(x: Tensor, keys: Tensor, unbiased: bool = True) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,19 +95,21 @@ def group_stats(x: Tensor, keys: Tensor, unbiased: bool = True) -> tuple[Tensor,
         unbiased: Bessel-corrected std (``torch.std`` default, as verl's GRPO). A group of size 1
             gets std 0.
     Returns:
-        ``(mean, std, count)``, each (N,): the statistics of the group of each element.
+        ``(mean, std, count)``, each (N,) in ``x``'s dtype: the statistics of the group of each element,
+        computed in fp64 (:func:`widened`).
     """
     if x.numel() == 0:
         return x.clone(), x.clone(), x.clone()
     _, inverse = torch.unique(keys, dim=0, return_inverse=True)  # (N,) group index
     num_groups = int(inverse.max()) + 1
-    zeros = torch.zeros(num_groups, dtype=x.dtype, device=x.device)
-    count = zeros.index_add(0, inverse, torch.ones_like(x))  # (G,)
-    mean = zeros.index_add(0, inverse, x) / count  # (G,)
-    sq_dev = (x - mean[inverse]).square()  # (N,)
+    wide = widened(x)  # a group of equal values gets exactly its value as mean and 0 as std (see widened)
+    zeros = torch.zeros(num_groups, dtype=wide.dtype, device=x.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(wide))  # (G,)
+    mean = zeros.index_add(0, inverse, wide) / count  # (G,)
+    sq_dev = (wide - mean[inverse]).square()  # (N,)
     denom = (count - 1).clamp(min=1) if unbiased else count
     std = (zeros.index_add(0, inverse, sq_dev) / denom).sqrt()  # (G,)
-    return mean[inverse], std[inverse], count[inverse]
+    return tuple(t[inverse].to(x.dtype) for t in (mean, std, count))
 
 
 # ---------------------------------------------------------------------------------------------

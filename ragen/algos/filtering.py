@@ -25,6 +25,7 @@ def _keep_top_k(sorted_std: Tensor, keep_ratio: float) -> int:
 def _keep_top_p(sorted_std: Tensor, keep_ratio: float) -> int:
     """Nucleus over the std mass: the fewest highest-std groups whose share of Σ std reaches
     ``keep_ratio`` (uniform shares if every group has std 0), at least 1."""
+    sorted_std = sorted_std.double()  # in fp32, k of G equal shares summed below k/G - 1e-9 (kept one group too many)
     total = sorted_std.sum()
     share = sorted_std / total if total > 0 else torch.full_like(sorted_std, 1.0 / len(sorted_std))
     below = (share.cumsum(0) < keep_ratio - _RATIO_TOL).sum()

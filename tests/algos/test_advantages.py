@@ -207,3 +207,33 @@ def test_every_estimator_has_uniform_contract(name):
 def test_missing_inputs_raise(name):
     with pytest.raises(ValueError, match=name):
         get_adv_estimator(name)(outcome_inputs())
+
+
+# A group whose episodes all scored alike carries no signal: every group estimator gives it exactly 0 (GRPO:
+# Â = (r − mean)/std with r = mean; the batch normalisers of the rest then see only zeros and equal values).
+# In fp32, the mean of eight 9.9s is 1 ulp off 9.9, and (r − mean)/(std + 1e-6) made that −0.47 for every member.
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "brpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo"])
+@pytest.mark.parametrize("size", [3, 5, 6, 8])
+def test_a_group_of_equal_returns_gets_exactly_zero_advantage(name, size):
+    rewards = torch.zeros(2 * size, 3)
+    rewards[:, -1] = torch.tensor([9.9] * size + [0.9] * size)  # two groups, each constant
+    mask = torch.ones(2 * size, 3, dtype=torch.bool)
+    inp = AdvantageInputs(rewards, mask, torch.tensor([0] * size + [1] * size),
+                          anchor_ids=torch.zeros(2 * size, 3, dtype=torch.long),
+                          step_returns=rewards.flip(-1).cumsum(-1).flip(-1),
+                          turn_ends=torch.tensor([[False, False, True]] * (2 * size)))
+    out = get_adv_estimator(name)(inp)
+    if name in ("brpo", "reinforce_pp"):  # batch-level baselines: the two groups differ, so only within-group equality
+        for group in (slice(0, size), slice(size, 2 * size)):
+            assert torch.unique(out.advantages[group][:, -1]).numel() == 1
+    else:
+        assert (out.advantages == 0).all(), out.advantages
+
+
+def test_equal_returns_paid_in_other_turns_are_equal_scores():
+    """Turn rewards −0.1, −0.1, +9.9 in any order sum to the same return: the fp32 sums differ in the last bit by
+    order, which GRPO's division by a near-zero std made into advantages of up to 0.6."""
+    orders = [[-0.1, -0.1, 9.9], [-0.1, 9.9, -0.1], [9.9, -0.1, -0.1], [-0.1, -0.1, 9.9]]
+    rewards = torch.tensor(orders)
+    out = get_adv_estimator("grpo")(AdvantageInputs(rewards, torch.ones(4, 3, dtype=torch.bool), torch.zeros(4, dtype=torch.long)))
+    assert (out.advantages == 0).all(), out.advantages

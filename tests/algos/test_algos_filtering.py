@@ -52,3 +52,15 @@ def test_unknown_mode_and_bad_ratio():
         uncertainty_filter(SCORES, GROUPS, mode="nope")
     with pytest.raises(ValueError):
         uncertainty_filter(SCORES, GROUPS, keep_ratio=0.0)
+
+
+@pytest.mark.parametrize("groups", range(2, 41))
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.25, 0.3, 0.5, 0.6, 0.75, 0.9])
+def test_top_p_over_equal_stds_keeps_the_share_asked(groups, ratio):
+    """G groups of equal std have equal shares 1/G: top_p keeps the fewest whose share reaches the ratio,
+    ⌈ratio·G⌉ (in fp32 the cumulative shares fell below k/G and one group too many was kept, e.g. 7 of 24 at 0.25)."""
+    import math
+
+    scores = torch.tensor([1.0, 0.0] * groups)  # every group one success of two: std 0.7071068
+    keep, _ = uncertainty_filter(scores, torch.arange(groups).repeat_interleave(2), keep_ratio=ratio, mode="top_p")
+    assert int(keep.sum()) // 2 == max(1, math.ceil(ratio * groups - 1e-9))

@@ -47,10 +47,17 @@ def test_gae_golden_centred():
     assert_close(out.advantages, torch.where(mask, GAE_RAW - 0.523232, 0.0))
 
 
+# whitening (norm_adv_by_std=True): mean 0.523232, unbiased std 0.3110479 over the five response tokens,
+# (A − mean) / (std + 1e-6) = -1.141531, -0.306164, -0.396182, 0.311102, 1.532775 (positions (0,0), (0,2), (0,3),
+# (1,0), (1,1)); written out rather than computed with masked_whiten, which the estimator itself calls
+GAE_WHITENED = torch.tensor([[-1.141531, 0, -0.306164, -0.396182], [0.311102, 1.532775, 0, 0]])
+
+
 def test_gae_golden_whitened():
     out = get_adv_estimator("gae")(AdvantageInputs(**GAE_INPUT))
     assert_close(out.returns, GAE_RETURNS)
-    assert_close(out.advantages, masked_whiten(GAE_RAW, GAE_INPUT["response_mask"], eps=1e-6))
+    assert_close(out.advantages, GAE_WHITENED)
+    assert_close(masked_whiten(GAE_RAW, GAE_INPUT["response_mask"], eps=1e-6), GAE_WHITENED)
 
 
 # ---------------------------------------------------------------------------------------------
