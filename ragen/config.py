@@ -172,7 +172,8 @@ class AlgorithmConfig:
     use_turn_rewards: bool = False
     #: GiGPO's weight of the step-level (anchor-state) advantage.
     gigpo_step_weight: float = 1.0
-    #: StarPO-S uncertainty filtering: keep this share of groups, highest in-group reward std first (1 = off).
+    #: StarPO-S uncertainty filtering (1 = off): groups ranked by in-group reward std, highest first, kept until they
+    #: hold this share of the summed std (``top_p``) or are this share of the groups (``top_k``, RAGEN's count rule).
     filter_ratio: float = 1.0
     #: "top_p" (share of the summed std) or "top_k" (share of the groups).
     filter_mode: str = "top_p"

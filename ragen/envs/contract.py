@@ -46,7 +46,7 @@ def _a(value: Any) -> str:
 def interface_problem(env: Any) -> str | None:
     """Why ``env`` lacks what the agent layer calls besides gymnasium's API (``parse_action``), or None.
 
-    ``instructions`` are not required here: a run may give them (``agent.instructions``, a tag's), or an env may set
+    ``instructions`` are not required here: a run may give them (a tag's, ``es.tags.TAG.instructions``), or an env may set
     them in ``reset``; the rollout checks them when an episode starts (:func:`instructions_problem`)."""
     raw = getattr(env, "unwrapped", env)
     if not callable(getattr(raw, "parse_action", None)):
@@ -59,7 +59,7 @@ def instructions_problem(env: Any, instructions: Any) -> str | None:
     if isinstance(instructions, str):
         return None
     return (f"{_name(env)} has no text `instructions` (got {_kind(instructions)}): set a str `instructions` attribute "
-            "(ragen.envs.base.TextEnv has one), or agent.instructions / a tag's instructions")
+            "(ragen.envs.base.TextEnv has one), or give them in the run config (es.tags.TAG.instructions)")
 
 
 def _observation(env: Any, method: str, observation: Any) -> str:

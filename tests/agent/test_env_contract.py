@@ -137,7 +137,7 @@ def test_make_refuses_an_env_without_parse_action_and_the_rollout_needs_text_ins
     monkeypatch.setitem(_REGISTRY, "test_contract_no_parser", NoParser)
     with pytest.raises(TypeError, match="env 'test_contract_no_parser': NoParser has no `parse_action"):
         make("test_contract_no_parser")
-    # instructions may come from the run (agent.instructions, a tag's) instead of the env
+    # instructions may come from the run (a tag's)  instead of the env
     monkeypatch.setitem(_REGISTRY, "test_contract_no_instructions", NoInstructions)
     env = make("test_contract_no_instructions")
     (missing,) = _rollout(tokenizer, [env])
