@@ -164,8 +164,10 @@ def dr_grpo(inp: AdvantageInputs) -> AdvantageOutputs:
 
     Â_i = r_i − mean_g(r): GRPO without the std normalisation (``norm_adv_by_std`` is ignored).
     Dr.GRPO's second fix, removing GRPO's per-sequence length normalisation 1/|o_i|, is not an
-    advantage property: it is the loss aggregation ``loss_agg_mode="seq-mean-token-sum"`` that the
-    trainer uses with this estimator. A group of size 1 gets 0. Shapes as :func:`grpo`.
+    advantage property but the loss aggregation's, chosen on its own (``algorithm.loss_agg_mode``, not
+    switched by this estimator): the default ``token-mean`` divides by the batch's token count and
+    ``seq-mean-token-sum`` by the sequence count, both constant within a step as the paper asks;
+    only ``seq-mean-token-mean`` brings 1/|o_i| back. A group of size 1 gets 0. Shapes as :func:`grpo`.
     """
     scores = sequence_scores(inp.token_rewards)  # (B,)
     seq_adv = group_normalized_scores(scores, inp.group_ids, norm_by_std=False, eps=inp.eps)  # (B,)
