@@ -9,6 +9,7 @@ from gymnasium import spaces
 
 from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, after_start_rng, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import check_render_mode
 
 # Arm names. A "low" arm is a safe occupation that always pays a little; a "high" arm is a
 # risky one that pays a lot, rarely, and more on average. The test lists share no name with
@@ -122,7 +123,7 @@ class BanditEnv(TextEnv):
 
     def __init__(self, render_mode: str | None = None, **cfg: Any):
         self.config = build_config(self.Config, cfg, "bandit")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("bandit", render_mode, self.metadata["render_modes"])
         self.action_lookup = {1: "", 2: ""}
         self.high_action = 0
         self._payoff_rng = None

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import dataclasses
+import numbers
 
 import gymnasium as gym
 import numpy as np
@@ -67,21 +68,41 @@ def after_start_rng(env: gym.Env, seed: int | None, options: dict | None, own: b
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(AFTER_START_KEY, member)))
 
 
+def field_default(field: dataclasses.Field) -> Any:
+    """A config field's default value: ``default``, or a fresh ``default_factory()`` (``dataclasses.MISSING`` if none)."""
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def check_config_value(key: str, value: Any, default: Any, env_name: str) -> None:
+    """Raise a ``ValueError`` naming ``key`` when ``value`` does not have the type of the field's ``default``."""
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ValueError(f"{env_name}: config key {key!r} must be a bool, got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{env_name}: config key {key!r} must be an int, got {value!r}")
+    if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{env_name}: config key {key!r} must be a number, got {value!r}")
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ValueError(f"{env_name}: config key {key!r} must be a string, got {value!r}")
+    if isinstance(default, (tuple, list)) and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+        raise ValueError(f"{env_name}: config key {key!r} must be a list (like {list(default)!r}), got {value!r}")
+
+
 def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
-    """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type."""
+    """Instantiate an env's ``Config`` dataclass from ``cfg``, naming any unknown key or wrong type.
+
+    A value must have the type of its field's default (``default``, or what ``default_factory`` makes): a bool,
+    an int, a number, a string or a list; fields without a default, or with a default of another type, are not
+    checked here (the ``Config``'s own ``validate`` may).
+    """
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     for key, value in cfg.items():
         if key not in fields:
             raise ValueError(f"{env_name}: unknown config key {key!r}; known keys: {', '.join(fields)}")
-        default = fields[key].default
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ValueError(f"{env_name}: config key {key!r} must be a bool, got {value!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{env_name}: config key {key!r} must be an int, got {value!r}")
-        if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{env_name}: config key {key!r} must be a number, got {value!r}")
-        if isinstance(default, (tuple, list)) and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
-            raise ValueError(f"{env_name}: config key {key!r} must be a list (like {list(default)!r}), got {value!r}")
+        check_config_value(key, value, field_default(fields[key]), env_name)
     config = config_cls(**cfg)
     validate = getattr(config, "validate", None)
     if validate is not None:
@@ -92,7 +113,8 @@ def build_config(config_cls: type, cfg: dict[str, Any], env_name: str):
 class TextEnv(gym.Env):
     """Base class for text-observation envs. Subclasses implement ``reset``/``step``."""
 
-    metadata = {"render_modes": ["text"]}
+    #: Observations are text in every mode: ``render()`` returns the observation text for None, "text" and "ansi".
+    metadata = {"render_modes": ["text", "ansi"]}
     #: One-line description shown by ``ragen envs``.
     description: str = ""
     instructions: str = ""
@@ -107,11 +129,15 @@ class TextEnv(gym.Env):
         return None
 
     def check_action(self, action: Any) -> int:
-        """Validate an action id for ``step``; raise a clear ``ValueError`` otherwise."""
-        try:
-            action_id = int(action)
-        except (TypeError, ValueError):
-            raise ValueError(f"{type(self).__name__}: action must be an int id, got {action!r}") from None
+        """Validate an action id for ``step``; raise a clear ``ValueError`` otherwise.
+
+        An id is an integer (``int`` or a NumPy integer, as ``action_space.sample()`` gives); a bool, a float
+        (``1.9``), a string (``"2"``) or anything else is refused rather than converted, as is an id outside
+        ``action_lookup``.
+        """
+        if isinstance(action, (bool, np.bool_)) or not isinstance(action, numbers.Integral):
+            raise ValueError(f"{type(self).__name__}: action must be an int id, got {type(action).__name__} {action!r:.60}")
+        action_id = int(action)
         if action_id not in self.action_lookup:
             raise ValueError(
                 f"{type(self).__name__}: invalid action id {action_id}; valid ids are {sorted(self.action_lookup)}"

@@ -13,6 +13,7 @@ from gymnasium import spaces
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import check_render_mode
 
 SUBMIT = 1
 REWARD_CORRECT = 1.0
@@ -64,7 +65,9 @@ class CountdownEnv(TextEnv):
 
     ## Arguments
     ``min_numbers``, ``max_numbers`` (count per instance, 2..6), ``max_number`` (numbers
-    are drawn from 1..max_number), ``max_target``.
+    are drawn from 1..max_number), ``max_target``, ``max_generation_tries`` (draws of numbers
+    before ``reset`` gives up with a ``ValueError``, e.g. when ``max_number`` is far above
+    ``max_target``).
 
     :func:`solve` is a brute-force expert; :func:`check_answer` the checker.
     """
@@ -85,6 +88,7 @@ class CountdownEnv(TextEnv):
         max_numbers: int = 4
         max_number: int = 99
         max_target: int = 100
+        max_generation_tries: int = 100
 
         def validate(self) -> None:
             if not 2 <= self.min_numbers <= self.max_numbers <= 6:
@@ -96,10 +100,12 @@ class CountdownEnv(TextEnv):
                 raise ValueError(f"countdown: max_number must be >= 1, got {self.max_number}")
             if self.max_target < 1:
                 raise ValueError(f"countdown: max_target must be >= 1, got {self.max_target}")
+            if self.max_generation_tries < 1:
+                raise ValueError(f"countdown: max_generation_tries must be >= 1, got {self.max_generation_tries}")
 
     def __init__(self, render_mode: str | None = None, **cfg: Any):
         self.config = build_config(self.Config, cfg, "countdown")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("countdown", render_mode, self.metadata["render_modes"])
         self.numbers: list[int] = []
         self.target = 0
         self._pending_answer: str | None = None
@@ -163,12 +169,21 @@ class CountdownEnv(TextEnv):
         return f"{text}\n{self._verdict}" if self._verdict else text
 
 
+#: Random expressions tried over each draw of numbers before drawing new numbers.
+EXPRESSIONS_PER_DRAW = 50
+
+
 def generate(rng, config: "CountdownEnv.Config") -> tuple[list[int], int]:
-    """Numbers and a target reachable from all of them, drawn from ``rng``."""
-    while True:
+    """Numbers and a target reachable from all of them, drawn from ``rng``.
+
+    Up to ``config.max_generation_tries`` draws of numbers, each with :data:`EXPRESSIONS_PER_DRAW` random
+    expressions over them; a ``ValueError`` naming ``max_target`` and ``max_number`` when none hits a target in
+    ``1..max_target`` (large numbers rarely combine to a small target).
+    """
+    for _ in range(config.max_generation_tries):
         count = int(rng.integers(config.min_numbers, config.max_numbers + 1))
         numbers = [int(n) for n in rng.integers(1, config.max_number + 1, size=count)]
-        for _ in range(50):
+        for _ in range(EXPRESSIONS_PER_DRAW):
             values = [Fraction(n) for n in numbers]
             order = list(rng.permutation(len(values)))
             values = [values[i] for i in order]
@@ -183,6 +198,11 @@ def generate(rng, config: "CountdownEnv.Config") -> tuple[list[int], int]:
             value = values[0]
             if value.denominator == 1 and 0 < value <= config.max_target:
                 return numbers, int(value)
+    raise ValueError(
+        f"countdown: could not build a target in 1..max_target={config.max_target} from numbers in "
+        f"1..max_number={config.max_number} in {config.max_generation_tries} tries; raise max_target, lower "
+        "max_number or raise max_generation_tries"
+    )
 
 
 def _strip_equation(text: str, target: int) -> str:

@@ -14,6 +14,7 @@ from gymnasium import spaces
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import check_render_mode
 
 SUBMIT = 1
 #: Ten grade-school problems shipped with ragen (GSM8K format); the default ``path``.
@@ -100,7 +101,7 @@ class MathQAEnv(TextEnv):
 
     def __init__(self, render_mode: str | None = None, **cfg: Any):
         self.config = build_config(self.Config, cfg, "math_qa")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("math_qa", render_mode, self.metadata["render_modes"])
         self.items = load_items(self.config)
         chars = set(_ASCII)
         for question, _ in self.items:

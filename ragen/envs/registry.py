@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
+from ragen.envs.base import field_default
 from ragen.envs.contract import interface_problem
 
 _REGISTRY: dict[str, Callable[..., gym.Env]] = {}
@@ -41,9 +42,12 @@ def registered() -> dict[str, Callable[..., gym.Env]]:
 
 
 def env_config_fields(name: str) -> dict[str, Any]:
-    """Config knobs of env ``name`` with defaults, read from its ``Config`` dataclass if it has one."""
+    """Config knobs of env ``name`` with defaults, read from its ``Config`` dataclass if it has one.
+
+    A field with a ``default_factory`` shows what the factory makes (``dataclasses.MISSING`` for a field without
+    a default)."""
     cls = _REGISTRY[name]
     config_cls = getattr(cls, "Config", None)
     if config_cls is None or not dataclasses.is_dataclass(config_cls):
         return {}
-    return {f.name: f.default for f in dataclasses.fields(config_cls)}
+    return {f.name: field_default(f) for f in dataclasses.fields(config_cls)}

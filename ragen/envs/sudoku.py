@@ -12,13 +12,19 @@ from gymnasium import spaces
 
 from ragen.envs.base import TextEnv, build_config
 from ragen.envs.registry import register
+from ragen.envs.render import check_render_mode
 
 REWARD_ILLEGAL = -0.1
 REWARD_SOLVED = 1.0
 SIZES = (4, 9)
 
 _CHARSET = frozenset("0123456789.|-+ \n")
-_MOVE = re.compile(r"^\(?\s*r(?:ow)?\s*(\d+)\s*[, ]?\s*c(?:ol)?\s*(\d+)\s*\)?\s*[=:]\s*(\d+)$", re.IGNORECASE)
+# ASCII digits only (``\d`` would also match other scripts' digits, which ``int`` reads), and at most 3 of them: a
+# longer run is no cell of a 9x9 grid, and ``int`` raises on a run of over 4300 digits.
+_MOVE = re.compile(
+    r"^\(?\s*r(?:ow)?\s*([0-9]{1,3})\s*[, ]?\s*c(?:ol)?\s*([0-9]{1,3})\s*\)?\s*[=:]\s*([0-9]{1,3})$",
+    re.IGNORECASE | re.ASCII,
+)
 
 
 @register("sudoku")
@@ -30,7 +36,8 @@ class SudokuEnv(TextEnv):
     rows within bands, bands, columns within stacks, stacks and transposition), then
     ``num_holes`` cells are emptied one at a time, each removal kept only if the puzzle
     still has a unique solution (checked by a backtracking solver). A given puzzle can
-    be played with ``reset(options={"grid": ROWS})`` (0 = empty).
+    be played with ``reset(options={"grid": ROWS})`` (0 = empty; at least one empty cell,
+    a full grid is refused with ``ValueError``).
 
     ## Action Space
     ``Discrete(size**3, start=1)``: every move "write value v in row r, column c" has its
@@ -88,7 +95,7 @@ class SudokuEnv(TextEnv):
 
     def __init__(self, render_mode: str | None = None, **cfg: Any):
         self.config = build_config(self.Config, cfg, "sudoku")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode("sudoku", render_mode, self.metadata["render_modes"])
         n = self.config.size
         self.action_lookup = {
             encode(r, c, v, n): f"r{r}c{c}={v}" for r in range(1, n + 1) for c in range(1, n + 1) for v in range(1, n + 1)
@@ -109,7 +116,10 @@ class SudokuEnv(TextEnv):
         self._done = True
 
     def parse_action(self, text: str) -> int | None:
-        match = _MOVE.match(" ".join(str(text).split()))
+        """The id of the move ``text`` names (``r2c3=4``, ``R2 C3 = 4``, ...), else None; never raises."""
+        if not isinstance(text, str):
+            return None
+        match = _MOVE.match(" ".join(text.split()))
         if not match:
             return None
         r, c, v = (int(g) for g in match.groups())
@@ -127,6 +137,8 @@ class SudokuEnv(TextEnv):
             puzzle, solution = generate(self.np_random, c.size, c.num_holes, c.max_generation_tries)
         else:
             puzzle = _parse_grid(given, c.size)
+            if all(all(row) for row in puzzle):
+                raise ValueError("sudoku: options['grid'] has no empty cell (0) to fill; give a grid with at least one")
             solved = solve(puzzle)
             if solved is None:
                 raise ValueError("sudoku: options['grid'] has no solution")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -158,3 +160,31 @@ def test_bad_options_and_action():
     env.reset(seed=0)
     with pytest.raises(ValueError, match="invalid action id"):
         env.step(2)
+
+
+def test_generation_gives_up_with_a_clear_error_instead_of_hanging():
+    """Numbers up to 10**6 almost never combine to a target of 1: ``generate`` looped forever. It now stops after
+    ``max_generation_tries`` draws with an error naming the knobs (run in a subprocess so a hang fails the test)."""
+    code = (
+        "import ragen.envs\n"
+        "try:\n"
+        "    ragen.envs.make('countdown', min_numbers=2, max_numbers=2, max_number=10**6, max_target=1).reset(seed=0)\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("countdown generation did not give up within 60 s")
+    assert proc.returncode == 0, proc.stderr
+    assert "countdown: could not build a target in 1..max_target=1" in proc.stdout
+    assert "max_number=1000000" in proc.stdout and "max_generation_tries" in proc.stdout
+
+
+def test_generation_tries_are_configurable_and_do_not_change_instances():
+    with pytest.raises(ValueError, match="max_generation_tries must be >= 1"):
+        CountdownEnv(max_generation_tries=0)
+    with pytest.raises(ValueError, match="in 3 tries"):
+        CountdownEnv(max_number=10**6, max_target=1, min_numbers=2, max_numbers=2, max_generation_tries=3).reset(seed=0)
+    for seed in range(20):  # the cap only bounds the loop: a seed's instance is the one it always was
+        assert CountdownEnv().reset(seed=seed)[0] == CountdownEnv(max_generation_tries=10**6).reset(seed=seed)[0]

@@ -113,3 +113,15 @@ def test_cli_play_from_stdin_exits_0():
     )
     assert proc.returncode == 0, proc.stderr
     assert "Bandit game" in proc.stdout and "Turn 1:" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [(["bandit", "name_set=[train]"], "name_set"), (["math_qa", "path=5"], "path"), (["textarena", "game=5"], "game")],
+)
+def test_cli_string_knob_of_another_type_is_one_line_exit_2(capsys, args, key):
+    """YAML reads ``[train]`` as a list and ``5`` as an int: they failed deep in the env (``unhashable type: 'list'``,
+    a traceback with exit 1) instead of naming the key."""
+    assert main(["play", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"config key {key!r} must be a string" in err and err.count("\n") == 1

@@ -178,3 +178,46 @@ def test_bad_action():
     env = play()
     with pytest.raises(ValueError, match="invalid action id"):
         env.step(65)
+
+
+def test_a_grid_without_an_empty_cell_is_refused():
+    """A full solution used to start an episode whose first move "succeeded" with reward -0.1 and ``illegal``."""
+    with pytest.raises(ValueError, match="sudoku: options\\['grid'\\] has no empty cell"):
+        SudokuEnv().reset(options={"grid": SOLUTION})
+    assert play(PUZZLE).step(encode(4, 3, 2, 4))[1] == 0.0  # one hole is enough
+
+
+def test_parse_action_refuses_huge_and_non_ascii_digit_runs():
+    """``int()`` raised on a run of over 4300 digits, and ``\\d`` read other scripts' digits (``r1c1=١`` was 1)."""
+    env = SudokuEnv(size=9)
+    assert env.parse_action("r1c1=" + "1" * 5000) is None
+    assert env.parse_action("r" + "0" * 5000 + "1c1=1") is None
+    for text in ["r1c1=\u0661", "r\u0661c1=1", "r1c\uff11=1", "r1c1=\u0967", "r1c1=\U0001d7d9"]:
+        assert env.parse_action(text) is None, text
+    assert env.parse_action("r01c001=9") == encode(1, 1, 9, 9)
+
+
+#: Digit runs: one digit of any script (``١``, ``１``, ``𝟙``), a short mixed run, short ASCII runs, and ASCII runs
+#: around ``int()``'s 4300-digit limit.
+_DIGITS = (
+    st.characters(categories=["Nd"])
+    | st.text(alphabet=st.characters(categories=["Nd"]), min_size=1, max_size=4)
+    | st.from_regex(r"\A[0-9]{1,4}\Z")
+    | st.integers(4290, 6000).map(lambda n: "0" * (n - 1) + "1")
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.sampled_from([4, 9]),
+    text=st.text(max_size=80)
+    | st.builds(lambda r, c, v, sep: f"r{r}c{c}{sep}{v}", _DIGITS, _DIGITS, _DIGITS, st.sampled_from(["=", ":", " = "])),
+)
+def test_parse_action_never_raises_and_returns_a_valid_id_or_none(size, text):
+    """Any model text is a move id in ``action_lookup`` or None (a format penalty), never an exception; an id
+    comes only from ASCII digits."""
+    env = SudokuEnv(size=size)
+    action = env.parse_action(text)
+    assert action is None or action in env.action_lookup
+    if action is not None:
+        assert all(ch.isascii() for ch in text if ch.isdigit())
