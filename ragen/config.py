@@ -581,6 +581,7 @@ def validate(config: RunConfig) -> None:
     need(config.rollout.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'")
     need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
     need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
+    need(bool(config.agent.action_sep.strip()), "agent.action_sep", "must be non-blank text (it splits an answer into actions)")
     need(config.agent.context_mode in CONTEXT_MODES, "agent.context_mode", f"must be one of {', '.join(CONTEXT_MODES)}")
     need(config.agent.max_context_window >= 0, "agent.max_context_window", "must be >= 0 (past turns kept in a window prompt)")
     need(config.trainer.total_steps >= 0, "trainer.total_steps", "must be >= 0")

@@ -48,9 +48,13 @@ def test_bad_config_exits_2_naming_the_key(override, message, capsys):
 def test_scalar_for_a_list_empty_text_and_a_preset_typo_say_what_to_write(capsys):
     assert main(["train", "bandit", "model=tiny", "trainer.logger=tensorboard"]) == 2
     assert "config key 'trainer.logger': expects a list, written [...] (trainer.logger=[...]" in capsys.readouterr().err
-    assert main(["train", "bandit", "model=tiny", "agent.action_sep="]) == 2
-    assert "write agent.action_sep=''" in capsys.readouterr().err
-    assert load_config("bandit", ["agent.action_sep=''"]).agent.action_sep == ""
+    assert main(["train", "bandit", "model=tiny", "agent.system_prompt="]) == 2
+    assert "write agent.system_prompt=''" in capsys.readouterr().err
+    assert load_config("bandit", ["agent.system_prompt=''"]).agent.system_prompt == ""
+    # an empty separator cannot split answers into actions: refused up front (it used to crash the run at the
+    # first well-formed answer, str.split(''))
+    assert main(["train", "bandit", "model=tiny", "agent.action_sep=''"]) == 2
+    assert "config key 'agent.action_sep': must be non-blank text" in capsys.readouterr().err
     assert main(["train", "bandt", "model=tiny"]) == 2
     err = capsys.readouterr().err
     assert "'bandt' is neither a preset (bandit," in err and "an env (bandit," in err

@@ -74,28 +74,36 @@ class ChatTokens:
         at = with_reply.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
         return with_reply[at:], with_reply
 
-    def closing_ids(self, messages: list[dict], finish_reason: str) -> list[int]:
+    def _without_sampled_eos(self, text: str, finish_reason: str, sampled_eos: str | None) -> str:
+        """``text`` (what the template puts after a reply) without the end token the model already sampled.
+
+        ``sampled_eos`` is the text of the token the model ended on (a model may have several end tokens, e.g.
+        ``<|im_end|>`` and ``<|endoftext|>``: ``generation_config.eos_token_id`` lists them); None means the
+        tokenizer's ``eos_token``. Only a closing that starts with that very text loses it."""
+        eos = self.eos_text if sampled_eos is None else sampled_eos
+        if finish_reason == "eos" and eos and text.startswith(eos):
+            return text[len(eos) :]
+        return text
+
+    def closing_ids(self, messages: list[dict], finish_reason: str, sampled_eos: str | None = None) -> list[int]:
         """Ids that close the assistant turn after the model's own tokens.
 
         ``messages`` ends with the user message the model answered. If the model sampled
-        EOS (``finish_reason == "eos"``) and the template's closing starts with the EOS
-        text, that part is the model's and is not added again.
+        EOS (``finish_reason == "eos"``) and the template's closing starts with that EOS's
+        text (``sampled_eos``; default the tokenizer's ``eos_token``), that part is the model's and is not added again.
         """
         closing, _ = self._assistant_closing(messages)
-        if finish_reason == "eos" and self.eos_text and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text) :]
-        return self.encode(closing)
+        return self.encode(self._without_sampled_eos(closing, finish_reason, sampled_eos))
 
-    def next_turn_ids(self, messages: list[dict], next_user: dict, finish_reason: str) -> list[int]:
-        """Ids after the model's reply: close its turn, add ``next_user``, open the next reply."""
+    def next_turn_ids(self, messages: list[dict], next_user: dict, finish_reason: str,
+                      sampled_eos: str | None = None) -> list[int]:
+        """Ids after the model's reply: close its turn, add ``next_user``, open the next reply (``sampled_eos`` as in
+        :meth:`closing_ids`)."""
         following = self.render(
             messages + [{"role": "assistant", "content": _PLACEHOLDER}, next_user], add_generation_prompt=True
         )
         at = following.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
-        tail = following[at:]
-        if finish_reason == "eos" and self.eos_text and tail.startswith(self.eos_text):
-            tail = tail[len(self.eos_text) :]
-        return self.encode(tail)
+        return self.encode(self._without_sampled_eos(following[at:], finish_reason, sampled_eos))
 
 
 @dataclass

@@ -31,7 +31,8 @@ def parse_response(text: str, *, enable_think: bool = True, max_actions: int = 1
 
     With ``enable_think`` the whole response must be ``<think>T</think><answer>A</answer>``
     (surrounding white space allowed); without it, ``<answer>A</answer>``. Tags may not
-    nest or repeat, and ``A`` must hold at least one non-empty action.
+    nest or repeat, and ``A`` must hold at least one non-empty action. An empty ``action_sep`` does not split ``A``
+    (the run config refuses one; this never raises, whatever the arguments' text).
     """
     if not isinstance(text, str):
         return ParsedResponse(None, None, error=f"response is not text ({type(text).__name__})")
@@ -43,7 +44,7 @@ def parse_response(text: str, *, enable_think: bool = True, max_actions: int = 1
     answer = match.group("answer")
     if any(tag in part for part in (answer, think or "") for tag in _TAGS):
         return ParsedResponse(think, answer.strip(), error="nested or repeated tags")
-    actions = [a.strip() for a in answer.split(action_sep)]
+    actions = [a.strip() for a in (answer.split(action_sep) if action_sep else [answer])]  # '': one action
     actions = [a for a in actions if a]
     if not actions:
         return ParsedResponse(think, answer.strip(), error="empty answer")

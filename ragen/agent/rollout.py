@@ -68,6 +68,13 @@ class _Protocol:
         self.prefix_ids = chat.encode(settings.response_prefix)
 
 
+def through_stop(text: str, stops) -> str:
+    """``text`` up to the end of its first stop string: what generation stopped at. The token completing a stop string
+    may carry more characters (``>.`` after ``</answer``): they are not part of the answer."""
+    ends = [text.find(s) + len(s) for s in stops or () if s and s in text]
+    return text[: min(ends)] if ends else text
+
+
 @dataclass
 class _Episode:
     env: gym.Env
@@ -254,8 +261,10 @@ class Rollout:
         self._append(traj, token_ids, model_wrote=True)
         traj.turn_spans.append((start, len(traj.input_ids)))
         text = settings.response_prefix + self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # the end token the model sampled (it may have several): the next prompt's closing leaves out that one
+        sampled_eos = self.tokenizer.decode(token_ids[-1:]) if finish_reason == "eos" and token_ids else None
         parsed = parse_response(
-            text,
+            through_stop(text, self.sampling.stop) if finish_reason == "stop" else text,
             enable_think=settings.enable_think,
             max_actions=settings.max_actions_per_turn,
             action_sep=settings.action_sep,
@@ -297,7 +306,7 @@ class Rollout:
                 turn.task_reward, observation, len(traj.turns) + 1, ep.actions_left, feedback
             ),
         }
-        ids = self.chat.next_turn_ids(ep.messages, next_user, finish_reason) + ep.protocol.prefix_ids
+        ids = self.chat.next_turn_ids(ep.messages, next_user, finish_reason, sampled_eos) + ep.protocol.prefix_ids
         ep.messages += [{"role": "assistant", "content": text}, next_user]
         self._append(traj, ids, model_wrote=False)
         if ep.windowed:

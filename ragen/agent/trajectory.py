@@ -82,7 +82,9 @@ class Trajectory:
 
     @property
     def num_actions(self) -> int:
-        return sum(len(t.actions) for t in self.turns if t.format_valid)
+        """Actions the env executed (as the baselines count them), not the ones the model wrote: actions past
+        ``max_actions_per_traj`` or after the episode ended mid-turn are not run."""
+        return sum(t.actions_executed for t in self.turns)
 
     @property
     def response_length(self) -> int:

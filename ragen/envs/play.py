@@ -94,7 +94,7 @@ def split_answer(text: str, action_sep: str) -> list[str]:
     """Action strings of a typed answer: the ``<answer>`` block's content if present, else the whole line."""
     found = _ANSWER.findall(text)
     body = found[-1] if found else _TAG.sub("", text)
-    return [part.strip() for part in body.split(action_sep) if part.strip()]
+    return [part.strip() for part in (body.split(action_sep) if action_sep else [body]) if part.strip()]
 
 
 def play(

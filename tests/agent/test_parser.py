@@ -38,3 +38,10 @@ def test_well_formed_answers_round_trip(think, actions):
     p = parse_response(text, max_actions=4)
     assert p.format_valid
     assert p.actions == [a.strip() for a in actions]
+
+
+def test_an_empty_action_separator_does_not_split_and_never_raises():
+    """``str.split('')`` raises; the run config refuses an empty ``agent.action_sep``, and the parser keeps its
+    never-raises promise for direct callers by reading the whole answer as one action."""
+    parsed = parse_response("<answer> Left || Right </answer>", enable_think=False, max_actions=2, action_sep="")
+    assert parsed.format_valid and parsed.actions == ["Left || Right"]
