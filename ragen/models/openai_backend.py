@@ -174,6 +174,11 @@ class OpenAIChatBackend:
             choice = payload["choices"][0]
             text = choice.get("message", {}).get("content") or ""
             reason = choice.get("finish_reason") or "stop"
+            # OpenAI's "stop" covers a matched stop string and a natural end alike; vLLM (stop_reason) and SGLang
+            # (matched_stop) say which: a token id or None is the model's own end, not the stop string
+            for key in ("stop_reason", "matched_stop"):
+                if reason == "stop" and key in choice and not isinstance(choice[key], str):
+                    reason = "end"
         except (KeyError, IndexError, TypeError, AttributeError):
             raise OpenAIError(f"openai: unexpected reply from {url}: {json.dumps(payload)[:200]}") from None
         if isinstance(text, list):  # content parts
@@ -188,7 +193,10 @@ class OpenAIChatBackend:
         if cut is not None:
             text, finish = cut, "stop"
         elif api_reason == "stop" and len(params.stop) == 1:
-            text += params.stop[0]  # the API matched the stop string and dropped it
+            # taken as the stop string matched and dropped by the API; a server that tells a natural end apart
+            # (reason "end" from _parse) gets nothing added. Plain OpenAI does not tell: a reply that ended on its
+            # own before ``</answer>`` is then credited with the tag (docs/eval.md)
+            text += params.stop[0]
         ids = self.encode(text)
         return Generation(token_ids=ids, finish_reason=finish)
 

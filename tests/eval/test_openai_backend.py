@@ -174,3 +174,19 @@ def test_reply_text_round_trips_through_local_token_ids(tokenizer):
     assert tokenizer.decode(cut.token_ids) == "<answer>A</answer>" and cut.finish_reason == "stop"
     long = backend._to_generation("<answer>A", "length", params)
     assert tokenizer.decode(long.token_ids) == "<answer>A" and long.finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra,closed", [
+    ({}, True),  # plain OpenAI: "stop" is read as the stop string matched (the API cannot tell)
+    ({"stop_reason": "</answer>"}, True),  # vLLM: the stop string matched
+    ({"stop_reason": None}, False),  # vLLM: the model's own end (EOS)
+    ({"matched_stop": 2}, False),  # SGLang: an end token id
+    ({"matched_stop": "</answer>"}, True),
+])
+def test_a_server_that_says_the_model_ended_on_its_own_is_not_credited_with_the_stop_string(tokenizer, extra, closed):
+    payload = {"choices": [{"message": {"content": "<answer>A"}, "finish_reason": "stop", **extra}]}
+    text, reason = OpenAIChatBackend._parse(payload, "http://x")
+    backend = OpenAIChatBackend.__new__(OpenAIChatBackend)
+    backend.tokenizer, backend._warned_roundtrip = tokenizer, False
+    gen = backend._to_generation(text, reason, SamplingParams(max_new_tokens=8, stop=("</answer>",)))
+    assert tokenizer.decode(gen.token_ids) == ("<answer>A</answer>" if closed else "<answer>A")
