@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
-from ragen.models.decode_loop import DecodeOutput, decode, unsupported_setting
+from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
@@ -275,8 +275,6 @@ class HFBackend:
                 kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
             if params.min_new_tokens:
                 kwargs.update(min_new_tokens=params.min_new_tokens)
-        if params.stop:
-            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -311,6 +309,9 @@ class HFBackend:
                                  stop_strings=params.stop, tokenizer=self.tokenizer, min_new_tokens=params.min_new_tokens,
                                  first_logits=prefilled.first_logits)
                 else:
+                    if params.stop:  # matched in the generated columns only
+                        kwargs["stopping_criteria"] = StoppingCriteriaList(
+                            [GeneratedStopStrings(self.tokenizer, params.stop, input_ids.shape[1])])
                     out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
                 built_in_decode = self.fused.build_s - built - built_in_prefill
                 self.stats.prefill_s += middle - start - built_in_prefill

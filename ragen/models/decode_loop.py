@@ -14,7 +14,8 @@ What is kept exactly as ``generate`` does it (``_sample`` in transformers 5):
 - positions: ``cumsum(mask) - 1`` at the last prompt column, then one more per step;
 - a finished row keeps being fed, with the pad token, and the mask grows for every row;
 - a row finishes on an EOS token (``EosTokenCriteria``) or a completed stop string (transformers' own
-  ``StopStringCriteria``); the loop ends when every row has finished or after ``max_new_tokens`` steps;
+  ``StopStringCriteria``, on the generated columns: :class:`GeneratedStopStrings`); the loop ends when every row has
+  finished or after ``max_new_tokens`` steps;
 - the sampler sees the ids so far (for ``min_new_tokens``) and the fp32 logits, and draws one uniform per
   row per step, so a seeded call samples the tokens ``generate`` samples (``tests/models/test_decode_loop.py``).
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.stopping_criteria import StoppingCriteria, StopStringCriteria
 
 from ragen.models.cache_names import with_cache
 from ragen.models.sampling import InverseCDFSampler
@@ -59,6 +60,22 @@ def unsupported_setting(generation_config) -> str | None:
             return f"{name}={value!r}"
     return None
 
+
+
+class GeneratedStopStrings(StoppingCriteria):
+    """transformers' ``StopStringCriteria`` on the generated columns only (those after ``prompt_width``).
+
+    Given ``stop_strings``, ``generate`` checks the whole sequence, prompt included: a prompt that ends inside a stop
+    string (a prefilled ``"</"``, a stop of ``"\\n\\n"``) ended a row at its first token, which the backend's cut, reading
+    the generated ids alone, then reported as a length or a pad-token "EOS" the model never sampled. A stop string
+    counts only within what the model wrote, as vLLM matches it."""
+
+    def __init__(self, tokenizer, stop_strings, prompt_width: int):
+        self.inner = StopStringCriteria(tokenizer, list(stop_strings))
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return self.inner(input_ids[:, self.prompt_width :], scores, **kwargs)  # (B,) bool
 
 @dataclass
 class DecodeOutput:
@@ -90,7 +107,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     mask[:, :W] = attention_mask
     positions = (attention_mask.long().sum(1, keepdim=True) - 1).clamp(min=0)  # (B, 1): the last column's position
     eos = torch.tensor(sorted(eos_ids), device=device)
-    stop = StopStringCriteria(tokenizer, list(stop_strings)) if stop_strings else None
+    stop = GeneratedStopStrings(tokenizer, stop_strings, W) if stop_strings else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     logits_fp32 = None  # (B, V), reused every step
     n = 0
@@ -118,7 +135,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
         n = step + 1
         done = torch.isin(token, eos)
         if stop is not None:
-            done |= stop(ids[:, : width + 1], None)
+            done |= stop(ids[:, : width + 1], None)  # the new columns only (GeneratedStopStrings)
         unfinished &= ~done
         if not bool(unfinished.any()):
             break

@@ -106,3 +106,29 @@ def test_common_prefix_feeds_the_fused_steps_shared_prefix_and_skips_unrelated_p
     common = len(__import__("os").path.commonprefix([tuple(p) for p in two]))
     assert common >= HFBackend.min_common_prefix and common < HFBackend.min_common_saved
     assert backend._common_prefill(two) is None
+
+
+PLAIN = dict(transposed_gemm=False, grow_cache=False, decode_attention=False, fused_decode=False, common_prefix=False,
+             decode_loop=False, fused_prefill=False, first_from_prefill=False)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["ragen's loop", "generate"])
+def test_a_stop_string_counts_only_in_what_the_model_wrote(fast):
+    """A prompt ending inside a stop string used to end the row at its first token (transformers' stop-string check
+    reads the prompt too), reported as a length or as a pad-token EOS the model never sampled."""
+    model, tok = load_model("tiny", seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # spread-out weights: greedy answers that vary from token to token
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    backend = HFBackend(model, tok, precision="fp32", **({} if fast else PLAIN))
+    prompt = tok("The arms are Apple and Stuntman. Choose one arm to pull, answer in tags.")["input_ids"]
+    other = tok("Hi there friend")["input_ids"]
+    free = backend.generate([prompt, other], SamplingParams(max_new_tokens=6, do_sample=False))
+    assert len(free[0].token_ids) == 6
+    stop = tok.decode(prompt[-1:] + free[0].token_ids[:1])  # begins in the prompt, completed by the first new token
+    assert not tok.decode(free[0].token_ids).count(stop)
+    for batch in ([prompt], [prompt, other]):
+        got = backend.generate(batch, SamplingParams(max_new_tokens=6, do_sample=False, stop=(stop,)))
+        assert got[0] == free[0]  # six tokens, finish "length", as without the stop string
