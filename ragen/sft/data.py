@@ -42,6 +42,14 @@ class SFTDataset:
 ROLES = ("system", "user", "assistant")
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def record_problem(record: Any) -> str | None:
     """What makes ``record`` unusable as a training conversation (the shape :func:`tokenize_conversation` needs), or None."""
     if not isinstance(record, dict):
@@ -61,6 +69,8 @@ def record_problem(record: Any) -> str | None:
             return f"messages[{k}].role must be 'system', 'user' or 'assistant' (got {shown})"
         if not isinstance(message.get("content"), str):
             return f"messages[{k}].content must be a string (got {json_kind(message.get('content'))})"
+        if not _utf8(message["content"]):  # JSON's \ud800 escapes decode to lone surrogates no tokenizer takes
+            return f"messages[{k}].content holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair): not text"
     agent = record.get("agent")
     if agent is not None:
         if not isinstance(agent, dict):
@@ -97,8 +107,9 @@ def load_dataset(path: str | Path, tokenizer, *, eval_fraction: float, eval_max:
                  seed: int, train_on_eos: bool = True) -> SFTDataset:
     """Tokenize ``path``, drop over-long conversations, and hold out a seeded random eval split.
 
-    The eval split is ``min(eval_max, max(1, round(eval_fraction * n)))`` conversations
-    (none if only one conversation is left, so a single example still trains). A line that is
+    The eval split is ``min(eval_max, max(1, round(eval_fraction * n)))`` of the ``n`` *distinct* conversations
+    (identical token sequences count once), each once, with none of its copies left in training (none if only one
+    distinct conversation is left, so a single example still trains); repeats stay in the training split. A line that is
     not a well-formed conversation raises ``ValueError`` naming the file, the line and the problem.
     """
     numbered = list(iter_jsonl(path))
@@ -112,10 +123,16 @@ def load_dataset(path: str | Path, tokenizer, *, eval_fraction: float, eval_max:
         if all(len(e) > max_length for e in examples):
             raise ValueError(f"{path}: every conversation is longer than data.max_length={max_length} tokens")
         raise ValueError(f"{path}: no conversation within data.max_length={max_length} tokens has an assistant token to train on")
-    order = np.random.default_rng(seed).permutation(len(kept))
-    n_eval = min(eval_max, max(1, round(eval_fraction * len(kept)))) if len(kept) > 1 else 0
-    eval_set = [kept[i] for i in order[:n_eval]]
-    train_set = [kept[i] for i in order[n_eval:]]
+    # held out by distinct conversation: expert data repeats (a bandit prompt and its answer come back many times),
+    # and a copy of a training conversation in the eval split would measure recall, not generalisation
+    distinct: dict[tuple, list[TokenizedExample]] = {}
+    for e in kept:
+        distinct.setdefault((tuple(e.input_ids), tuple(e.loss_mask)), []).append(e)
+    copies = list(distinct.values())
+    order = np.random.default_rng(seed).permutation(len(copies))
+    n_eval = min(eval_max, max(1, round(eval_fraction * len(copies)))) if len(copies) > 1 else 0
+    eval_set = [copies[i][0] for i in order[:n_eval]]  # each held-out conversation once
+    train_set = [e for i in order[n_eval:] for e in copies[i]]  # repeats kept: they weight the training data
     return SFTDataset(train_set, eval_set, dropped)
 
 

@@ -327,6 +327,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield number, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            except (ValueError, RecursionError) as exc:  # a >4300-digit integer, nesting deeper than the parser goes
+                raise ValueError(f"{path}:{number}: not usable JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

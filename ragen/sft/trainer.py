@@ -46,7 +46,7 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: 
             return (s + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
-        span = max(1, total_steps - warmup_steps)
+        span = max(1, total_steps - warmup_steps - 1)  # the last step (s = total_steps - 1) runs at min_lr_ratio
         progress_ = min(1.0, (s - warmup_steps) / span)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
 
@@ -111,7 +111,7 @@ class SFTTrainer:
                   f"{self.total_steps} steps; eval loss before: {before.get('eval/loss', float('nan')):.4f}", flush=True)
         interrupt = GracefulInterrupt()
         bar = progress(self.total_steps, enabled=cfg.progress_bar, initial=self.start_step)
-        step = self.start_step
+        step, last_eval = self.start_step, None
         for step in range(self.start_step + 1, self.total_steps + 1):
             t0 = time.perf_counter()
             metrics = self.optimizer_step(step_examples(self.data.train, cfg.batch_size, self.config.seed, step))
@@ -119,10 +119,12 @@ class SFTTrainer:
                             "train/epoch": step * min(cfg.batch_size, len(self.data.train)) / len(self.data.train)})
             out_of_time = cfg.max_time_s > 0 and time.perf_counter() - start >= cfg.max_time_s
             last = step == self.total_steps or out_of_time or interrupt.requested
+            last_eval = None
             if last or (cfg.eval_freq and step % cfg.eval_freq == 0):
-                metrics.update(self.evaluate())
+                metrics.update(last_eval := self.evaluate())
             self.log(metrics)
-            if (cfg.save_freq and step % cfg.save_freq == 0) or interrupt.requested:
+            # a time cap stops like an interrupt: with a checkpoint, so `--resume` continues from this step
+            if (cfg.save_freq and step % cfg.save_freq == 0) or interrupt.requested or out_of_time:
                 self.save_checkpoint(step)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
@@ -136,12 +138,14 @@ class SFTTrainer:
                 write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
                 return summary
             if out_of_time:
-                bar.write(f"[ragen sft] trainer.max_time_s={cfg.max_time_s:g} reached at step {step}: stopping")
+                bar.write(f"[ragen sft] trainer.max_time_s={cfg.max_time_s:g} reached at step {step}: stopping "
+                          f"(checkpoint saved; continue with `ragen sft train --resume {self.run_dir}`)")
                 summary["stopped_at_step"] = step
                 break
         interrupt.restore()
         bar.close()
-        after = self.evaluate()
+        ran = step > self.start_step
+        after = last_eval if ran and last_eval is not None else self.evaluate()  # the last step's eval, not a second pass
         summary.update({"eval_after": after, "steps_done": step})
         if cfg.save_final:
             self.save(self.run_dir / "final")

@@ -1,0 +1,86 @@
+"""SFT details a review found wrong: a held-out split with copies of training chats, the cosine schedule's end,
+data lines that crashed past validation, a time cap without a checkpoint, and the final eval run twice."""
+
+import json
+
+import pytest
+
+from ragen.cli import main
+from ragen.models import load_model
+from ragen.sft import trainer as sft_trainer
+from ragen.sft.data import load_dataset, record_problem
+from ragen.sft.generate import iter_jsonl
+from ragen.sft.trainer import lr_lambda
+
+FAST = ["model=tiny", "trainer.progress_bar=false", "trainer.batch_size=4", "trainer.micro_batch_size=2"]
+
+
+def chat(user, answer):
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": f"<answer>{answer}</answer>"}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model("tiny")[1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_eval_split_holds_no_copy_of_a_training_conversation(tmp_path, tokenizer, seed):
+    """Expert data repeats; the split used to be by record, so most eval chats were also trained on."""
+    path = tmp_path / "d.jsonl"
+    records = [chat(f"q{i % 4}", f"a{i % 4}") for i in range(40)]  # 4 distinct chats, 10 copies each
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = load_dataset(path, tokenizer, eval_fraction=0.5, eval_max=8, max_length=512, seed=seed)
+    key = lambda e: tuple(e.input_ids)  # noqa: E731
+    assert len(data.eval) == 2 and len({key(e) for e in data.eval}) == 2  # half of the 4 distinct chats, once each
+    assert not {key(e) for e in data.eval} & {key(e) for e in data.train}
+    assert len(data.train) == 20  # the other two chats with all their copies
+
+
+@pytest.mark.parametrize("warmup,total", [(0, 6), (2, 6), (1, 3), (0, 150)])
+def test_cosine_reaches_min_lr_at_the_last_step(warmup, total):
+    factor = lr_lambda(warmup, total, "cosine", 0.1)
+    values = [factor(s) for s in range(total)]
+    assert values[-1] == pytest.approx(0.1)
+    assert values[warmup if warmup else 0] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[warmup:], values[warmup + 1 :]))  # decays after warm-up
+
+
+def test_a_lone_surrogate_is_a_data_error_not_a_crash():
+    bad = json.loads('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "x"}]}')
+    assert "lone surrogate" in record_problem(bad)
+
+
+@pytest.mark.parametrize("line,needle", [("[" * 100000 + "]" * 100000, "RecursionError"), ("[" + "9" * 5000 + "]", "digits")])
+def test_json_the_parser_cannot_take_names_the_line(tmp_path, line, needle):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(chat("q", "a")) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"d.jsonl:2: not usable JSON .*{needle}"):
+        list(iter_jsonl(path))
+
+
+def test_a_time_capped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, monkeypatch):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(chat(f"q{i}", f"a{i}")) + "\n" for i in range(8)))
+    run = tmp_path / "run"
+    clock = iter(range(0, 10_000, 1))  # one second per perf_counter call: the cap of 0.5 s is hit at step 1
+    monkeypatch.setattr(sft_trainer.time, "perf_counter", lambda: float(next(clock)))
+    assert main(["sft", "train", str(path), *FAST, "trainer.max_steps=4", "trainer.max_time_s=0.5",
+                 f"trainer.output_dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_at_step"] == 1 and (run / "checkpoints").is_dir()
+    monkeypatch.undo()
+    assert main(["sft", "train", "--resume", str(run), "trainer.max_time_s=0"]) == 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]
+
+
+def test_the_last_steps_eval_is_the_final_eval(tmp_path, monkeypatch):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(chat(f"q{i}", f"a{i}")) + "\n" for i in range(8)))
+    calls = []
+    real = sft_trainer.SFTTrainer.evaluate
+    monkeypatch.setattr(sft_trainer.SFTTrainer, "evaluate", lambda self: calls.append(1) or real(self))
+    assert main(["sft", "train", str(path), *FAST, "trainer.max_steps=2", "trainer.eval_freq=0",
+                 f"trainer.output_dir={tmp_path / 'run'}"]) == 0
+    assert len(calls) == 2  # before training and at the last step, not a third pass after it
