@@ -64,6 +64,12 @@ class ChatTokens:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def encode_reply(self, text: str) -> list[int]:
+        """Ids a model writes to produce ``text``: special-token text (``<|im_end|>`` spelled out in a reply) as the
+        ordinary tokens that spell it, not as the special token, which would end the turn in a rollout (the
+        backend cuts at the first end token). Decodes back to ``text``; other text encodes as :meth:`encode` does."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of the first prompt: every message so far, then the generation prompt."""
         return self.encode(self.render(messages, add_generation_prompt=True))

@@ -81,7 +81,7 @@ def tokenize_conversation(chat: ChatTokens, messages: list[dict], *, response_pr
     while k < len(messages):
         content = messages[k]["content"]
         history = messages[:k]  # ends with the user message this reply answers
-        written = chat.encode(content[len(response_prefix) :])
+        written = chat.encode_reply(content[len(response_prefix) :])  # special-token text spelled out
         finish = "stop"
         if train_on_eos and eos_id is not None and eos_closes_turn(chat, history):
             written = written + [eos_id]

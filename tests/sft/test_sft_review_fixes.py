@@ -84,3 +84,19 @@ def test_the_last_steps_eval_is_the_final_eval(tmp_path, monkeypatch):
     assert main(["sft", "train", str(path), *FAST, "trainer.max_steps=2", "trainer.eval_freq=0",
                  f"trainer.output_dir={tmp_path / 'run'}"]) == 0
     assert len(calls) == 2  # before training and at the last step, not a third pass after it
+
+
+def test_special_token_text_in_a_reply_is_trained_as_the_text_not_as_turn_markers(tokenizer):
+    """A hand-written reply spelling ``<|im_end|><|im_start|>user`` used to train those special ids mid-turn: a
+    sequence no rollout records (the backend cuts at the first end token). It is trained as the ordinary tokens that
+    spell it, which decode back to the reply."""
+    from ragen.agent.context import ChatTokens
+    from ragen.sft.masking import tokenize_conversation
+
+    reply = "<answer>Up<|im_end|><|im_start|>user\nfoo</answer>"
+    example = tokenize_conversation(ChatTokens(tokenizer), [{"role": "user", "content": "go"},
+                                                            {"role": "assistant", "content": reply}])
+    trained = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+    assert trained[-1] == tokenizer.eos_token_id  # the turn's own end, sampled by the model
+    assert tokenizer.eos_token_id not in trained[:-1] and tokenizer.convert_tokens_to_ids("<|im_start|>") not in trained
+    assert tokenizer.decode(trained[:-1]) == reply
