@@ -122,10 +122,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     }
 
 
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """``run_dir``'s checkpoint directories, newest first (not read: some may be partial or damaged)."""
+    return sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
+
+
+def no_checkpoint(run_dir: Path) -> FileNotFoundError:
+    """The error of a resume that finds nothing to restore."""
+    return FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads; broken newer ones are skipped with a warning."""
-    candidates = sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
-    for path in candidates:
+    for path in checkpoint_dirs(run_dir):
         try:
             return path, load_checkpoint(path)
         except Exception as exc:  # corrupt or partial: fall back to the previous one
@@ -142,7 +151,7 @@ def restore_latest(run_dir: Path, named_params: dict[str, torch.Tensor], optimiz
     """
     found = latest_checkpoint(run_dir)
     if found is None:
-        raise FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
+        raise no_checkpoint(run_dir)
     path, ckpt = found
     missing = set(named_params) - set(ckpt["params"])
     if missing:

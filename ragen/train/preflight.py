@@ -19,7 +19,7 @@ from ragen.config import RunConfig, taken_run_entries
 from ragen.files import file_in_the_way
 from ragen.models.device import resolve_device
 from ragen.models.loading import check_model
-from ragen.train.checkpoint import latest_checkpoint, metrics_to_keep
+from ragen.train.checkpoint import latest_checkpoint, metrics_to_keep, no_checkpoint
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import require_logger_packages
 
@@ -53,7 +53,7 @@ def check_resumable(run_dir: Path) -> tuple[Path, dict]:
     would restore: ``(path, its state.json)``."""
     found = latest_checkpoint(run_dir)
     if found is None:
-        raise FileNotFoundError(f"no valid checkpoint under {run_dir / 'checkpoints'} to resume from")
+        raise no_checkpoint(run_dir)
     metrics_to_keep(run_dir / "metrics.jsonl", int(found[1]["state"]["step"]))
     return found[0], found[1]["state"]
 

@@ -37,7 +37,8 @@ from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import (all_ranks, all_reduce_grads, barrier, broadcast_object, init_distributed,
                                      micro_batch_count, rank_world, reduce_metrics, shard)
 from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
-from ragen.train.checkpoint import read_metrics, restore_latest, save_checkpoint, truncate_metrics
+from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics, restore_latest, save_checkpoint,
+                                    truncate_metrics)
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
@@ -64,6 +65,8 @@ class StarPOTrainer:
         self.rank, self.world = init_distributed()
         self.is_main = self.rank == 0
         self.run_dir = self._make_run_dir(resume)
+        if resume and not checkpoint_dirs(self.run_dir):  # nothing to restore: said before the model loads
+            raise no_checkpoint(self.run_dir)
         self.start_step = 0
         require_logger_packages(config.trainer.logger)  # a missing wandb fails before the model loads
         if config.trainer.num_threads > 0:

@@ -111,6 +111,23 @@ def test_a_failed_resume_leaves_config_yaml_and_a_finished_run_keeps_its_summary
     assert (run / "config.yaml").read_text() == config
 
 
+def test_a_resume_with_no_checkpoint_stops_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import ragen.train.trainer as trainer_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for a resume with nothing to restore")
+
+    run = tmp_path / "run"
+    assert main(["train", "bandit", "trainer.total_steps=1", f"trainer.output_dir={run}",
+                 *ARGS]) == 0
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    capsys.readouterr()
+    monkeypatch.setattr(trainer_module, "load_model", no_loading)  # the embedded model's first load takes ~17 s
+    assert main(["train", "--resume", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"ragen: error: no valid checkpoint under {run / 'checkpoints'} "
+                                                    "to resume from"]
+
+
 def test_a_new_run_never_overwrites_files_it_would_write(tmp_path, capsys):
     out = tmp_path / "project"
     out.mkdir()
