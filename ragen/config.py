@@ -45,6 +45,8 @@ class AgentConfig:
     #: Ask for ``<think>…</think><answer>…</answer>``; False asks for ``<answer>…</answer>`` only.
     enable_think: bool = True
     #: Text placed after the generation prompt before the model writes (e.g. ``<answer>``); never trained on.
+    #: It must be able to begin the asked format (``<think>`` with ``enable_think``, else ``<answer>``): the bandit
+    #: preset's ``<answer>`` needs ``agent.response_prefix=<think>`` (or ``''``) beside ``agent.enable_think=true``.
     response_prefix: str = ""
     #: Reward added to a turn whose answer cannot be parsed or names no valid action.
     format_penalty: float = -0.1
@@ -629,6 +631,14 @@ def validate(config: RunConfig) -> None:
         "algorithm.loss_agg_mode",
         "must be token-mean, seq-mean-token-mean or seq-mean-token-sum",
     )
+    # The parser fullmatches the rollout's text, response_prefix + what the model writes: a prefix that cannot begin
+    # the expected format makes every answer a format error (the bandit preset's "<answer>" with enable_think=true).
+    opening = "<think>" if config.agent.enable_think else "<answer>"
+    start = config.agent.response_prefix.lstrip()
+    need(opening.startswith(start) or start.startswith(opening), "agent.response_prefix",
+         f"{config.agent.response_prefix!r} cannot begin a reply in the format agent.enable_think="
+         f"{str(config.agent.enable_think).lower()} asks for ({opening}...), so every answer would be a format error; "
+         f"use {opening!r} or ''")
     for key in ("think_reward", "prediction_reward"):
         need(getattr(config.agent, key) == 0 or config.agent.enable_think, f"agent.{key}",
              "needs agent.enable_think=true (it rewards what the model writes inside <think>)")

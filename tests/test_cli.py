@@ -60,6 +60,21 @@ def test_scalar_for_a_list_empty_text_and_a_preset_typo_say_what_to_write(capsys
     assert "'bandt' is neither a preset (bandit," in err and "an env (bandit," in err
 
 
+def test_a_response_prefix_that_cannot_begin_the_answer_format_is_refused(capsys):
+    # The bandit preset prefills "<answer>" (no-think mode); think mode's replies must start with <think>, so with
+    # that prefix every answer would fail to parse.
+    assert main(["train", "bandit", "model=tiny", "agent.enable_think=true"]) == 2
+    assert ("config key 'agent.response_prefix': '<answer>' cannot begin a reply in the format agent.enable_think=true "
+            "asks for (<think>...), so every answer would be a format error; use '<think>' or ''") in capsys.readouterr().err
+    assert main(["train", "sokoban", "model=tiny", "agent.enable_think=false", "agent.response_prefix=<think>"]) == 2
+    assert "'<think>' cannot begin a reply in the format agent.enable_think=false asks for (<answer>...)" in capsys.readouterr().err
+    for fine in (["agent.enable_think=true", "agent.response_prefix=<think>"],
+                 ["agent.enable_think=true", "agent.response_prefix=' <th'"],
+                 ["agent.enable_think=true", "agent.response_prefix='<think>The arms'"],
+                 ["agent.enable_think=true", "agent.response_prefix=''"], []):
+        load_config("bandit", fine)  # validates: no ConfigError
+
+
 def test_sampled_validation_needs_a_positive_temperature_greedy_none(capsys):
     assert main(["train", "bandit", "model=tiny", "trainer.val_do_sample=true", "trainer.val_temperature=0"]) == 2
     assert "config key 'trainer.val_temperature': must be > 0" in capsys.readouterr().err

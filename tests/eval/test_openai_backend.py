@@ -117,8 +117,9 @@ def test_multi_turn_messages_and_no_key_needed_for_a_local_server(api, monkeypat
     monkeypatch.setenv("OPENAI_BASE_URL", api.base_url)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     # max_turn=2: the bandit ends after one pull, so an invalid first answer is needed for a 2nd turn;
-    # enable_think=true makes the scripted reply (no <think>) invalid, hence two user turns.
+    # enable_think=true (and no "<answer>" prefix) makes the scripted reply (no <think>) invalid, hence two user turns.
     assert main(["eval", "openai:m", "bandit", "es.val=[]", "trainer.val_episodes=2", "agent.max_turn=2", "agent.enable_think=true",
+                 "agent.response_prefix=''",
                  "--k", "0", "--no-baselines"]) == 0
     second = api.bodies[-1]
     assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user"]
