@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ragen.models.embedded import EMBEDDED_NAME, check_embedded, embedded_model_dir
+from ragen.models.embedded import EMBEDDED_NAME, check_embedded, embedded_model_dir, embedded_tokenizer_dir
 from ragen.models.tiny import TINY_NAME, load_tiny
 
 BUILTIN_MODELS = (EMBEDDED_NAME, TINY_NAME)
@@ -65,6 +65,22 @@ def check_model(spec: str) -> None:
     path = resolve_model_path(spec)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         check_model(adapter_base(path)[0])
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer :func:`load_model` would return for ``spec``, without loading (or converting) any weights."""
+    from transformers import AutoTokenizer
+
+    if spec in BUILTIN_MODELS:  # the tiny model uses the embedded model's tokenizer
+        path = embedded_tokenizer_dir()
+    else:
+        path = resolve_model_path(spec)
+        if not (path / "tokenizer_config.json").is_file() and (path / "adapter_config.json").is_file():
+            return load_tokenizer(adapter_base(path)[0])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_model(spec: str, *, seed: int = 0):

@@ -7,6 +7,7 @@ a subcommand runs. Every user mistake is one line ``ragen: error: …`` and exit
 from __future__ import annotations
 
 import argparse
+import sys
 import itertools
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def _quiet() -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from ragen.cli import note_lost_env_settings
     from ragen.config import ConfigError, load_config
-    from ragen.sft.generate import (demo_target, expert_records, output_problem, rollout_logs, rollout_records,
-                                    write_jsonl)
+    from ragen.models.loading import load_tokenizer
+    from ragen.sft.generate import (ReplyLengths, demo_target, expert_records, output_problem, rollout_logs,
+                                    rollout_records, write_jsonl)
 
     if args.n < 0 or (args.n == 0 and not args.from_run):
         return _fail(f"--n must be >= 1 (got {args.n}); with --from-run, 0 means every successful episode")
@@ -61,9 +63,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         env_name = demo_target(config)[0]
         stats: dict = {}
         records = expert_records(config, args.n, keep_failures=args.keep_failures, stats=stats)  # checks the env
-        count = write_jsonl(records, args.out)
+        lengths = ReplyLengths(load_tokenizer(config.model), config.rollout.max_new_tokens)
+        count = write_jsonl(lengths.watch(records), args.out)
     except (ConfigError, ValueError, OSError) as exc:
         return _fail(str(exc))
+    if note := lengths.note():
+        print(f"ragen: note: {note}", file=sys.stderr)
     rate = stats["succeeded"] / max(1, stats["played"])
     print(f"[ragen sft] wrote {count} expert episodes of {env_name} to {args.out} "
           f"({stats['played']} played, expert success {rate:.3f} under the agent's turn and action limits)")

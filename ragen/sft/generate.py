@@ -296,6 +296,40 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
     return count
 
 
+class ReplyLengths:
+    """Token counts of the assistant replies of records passing through :meth:`watch`, against a rollout's
+    ``max_new_tokens``: a demonstrated reply longer than that teaches what an RL run with the same config cuts off.
+
+    A reply is counted as the model writes it (:meth:`~ragen.agent.context.ChatTokens.encode_reply`, after the
+    ``response_prefix`` the rollout puts before the model's turn), without the end token: the rollout stops at
+    ``</answer>``, so a reply of exactly ``max_new_tokens`` tokens fits.
+    """
+
+    def __init__(self, tokenizer, max_new_tokens: int):
+        from ragen.agent.context import ChatTokens
+
+        self.chat, self.max_new_tokens = ChatTokens(tokenizer), max_new_tokens
+        self.replies, self.over, self.longest = 0, 0, 0
+
+    def watch(self, records: Iterable[dict]) -> Iterator[dict]:
+        for record in records:
+            prefix = (record.get("agent") or {}).get("response_prefix") or ""
+            for message in record["messages"]:
+                if message["role"] == "assistant":
+                    n = len(self.chat.encode_reply(message["content"][len(prefix):]))
+                    self.replies, self.longest = self.replies + 1, max(self.longest, n)
+                    self.over += n > self.max_new_tokens
+            yield record
+
+    def note(self) -> str | None:
+        """One line when some reply is over the budget, else None."""
+        if not self.over:
+            return None
+        return (f"{self.over} of {self.replies} replies are longer than rollout.max_new_tokens={self.max_new_tokens} "
+                f"tokens (longest {self.longest}): an RL run with this config would cut them off; "
+                "raise rollout.max_new_tokens there (and here, to silence this)")
+
+
 def json_kind(value: Any) -> str:
     """``value``'s JSON type for an error message: "an object", "a list", "a string", "a number", "true", "null"."""
     if value is None:
@@ -341,5 +375,5 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
-__all__ = ["PlanningExpert", "ReplayAgent", "expert_records", "rollout_records", "rollout_logs", "make_record", "write_jsonl",
+__all__ = ["PlanningExpert", "ReplayAgent", "ReplyLengths", "expert_records", "rollout_records", "rollout_logs", "make_record", "write_jsonl",
            "read_jsonl", "iter_jsonl", "json_kind", "output_problem", "agent_settings", "demo_target", "turn_actions", "run_config", "SEED_BOUND"]

@@ -230,3 +230,28 @@ def test_generate_plays_the_runs_training_tag(tmp_path):
 def test_generate_refuses_window_mode():
     with pytest.raises(ValueError, match="context_mode=window"):
         next(expert_records(load_config("sokoban", ["agent.context_mode=window"]), 1))
+
+
+def test_generate_notes_replies_longer_than_the_rollouts_token_budget(tmp_path, capsys):
+    from ragen.agent.context import ChatTokens
+    from ragen.models.loading import load_tokenizer
+
+    out = tmp_path / "bandit.jsonl"
+    # The bandit preset's 16 new tokens hold a no-think answer but not the expert's <think> rationale.
+    think = ["agent.enable_think=true", "agent.response_prefix=<think>"]
+    assert main(["sft", "generate", "bandit", *think, "--n", "4", "--out", str(out)]) == 0
+    chat = ChatTokens(load_tokenizer("smollm2-135m"))
+    lengths = [len(chat.encode_reply(m["content"].removeprefix(r["agent"]["response_prefix"])))
+               for r in read_jsonl(out) for m in r["messages"] if m["role"] == "assistant"]
+    assert len(lengths) == 4 and min(lengths) > 16
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"ragen: note: 4 of 4 replies are longer than rollout.max_new_tokens=16 tokens (longest "
+                   f"{max(lengths)}): an RL run with this config would cut them off; raise rollout.max_new_tokens "
+                   "there (and here, to silence this)"]
+    # A budget the longest reply fits exactly: nothing to note.
+    budget = f"rollout.max_new_tokens={max(lengths)}"
+    assert main(["sft", "generate", "bandit", *think, budget, "--n", "4", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+    # The preset's own no-think replies fit its budget.
+    assert main(["sft", "generate", "bandit", "--n", "4", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""
