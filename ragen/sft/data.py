@@ -36,6 +36,8 @@ class SFTDataset:
     eval: list[TokenizedExample]
     #: Conversations dropped for being longer than ``max_length`` tokens.
     dropped_too_long: int = 0
+    #: Conversations within ``max_length`` dropped for holding no token to train on (no assistant reply text).
+    dropped_untrained: int = 0
 
 
 #: Message roles a training conversation may hold (what ``ragen sft generate`` writes).
@@ -118,7 +120,7 @@ def load_dataset(path: str | Path, tokenizer, *, eval_fraction: float, eval_max:
     examples = tokenize_records([record for _, record in numbered], tokenizer, train_on_eos=train_on_eos,
                                 labels=[f"{path}:{number}" for number, _ in numbered])
     kept = [e for e in examples if len(e) <= max_length and e.num_trained > 0]
-    dropped = len(examples) - len(kept)
+    too_long = sum(len(e) > max_length for e in examples)
     if not kept:
         if all(len(e) > max_length for e in examples):
             raise ValueError(f"{path}: every conversation is longer than data.max_length={max_length} tokens")
@@ -133,7 +135,7 @@ def load_dataset(path: str | Path, tokenizer, *, eval_fraction: float, eval_max:
     n_eval = min(eval_max, max(1, round(eval_fraction * len(copies)))) if len(copies) > 1 else 0
     eval_set = [copies[i][0] for i in order[:n_eval]]  # each held-out conversation once
     train_set = [e for i in order[n_eval:] for e in copies[i]]  # repeats kept: they weight the training data
-    return SFTDataset(train_set, eval_set, dropped)
+    return SFTDataset(train_set, eval_set, too_long, len(examples) - len(kept) - too_long)
 
 
 def collate(examples: list[TokenizedExample], pad_id: int) -> SFTBatch:

@@ -102,12 +102,16 @@ class SFTTrainer:
         start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "train_conversations": len(self.data.train),
                          "eval_conversations": len(self.data.eval), "dropped_too_long": self.data.dropped_too_long,
-                         "total_steps": self.total_steps}
+                         "dropped_untrained": self.data.dropped_untrained, "total_steps": self.total_steps}
         if self.start_step == 0:
             before = self.evaluate()
             summary["eval_before"] = before
             self.log({"step": 0, **before})
-            print(f"[ragen sft] {len(self.data.train)} train / {len(self.data.eval)} eval conversations, "
+            dropped = [f"{n} {why}" for n, why in ((self.data.dropped_too_long,
+                                                    f"longer than data.max_length={self.config.data.max_length} tokens"),
+                                                   (self.data.dropped_untrained, "with no assistant token to train on")) if n]
+            print(f"[ragen sft] {len(self.data.train)} train / {len(self.data.eval)} eval conversations"
+                  f"{' (dropped: ' + ', '.join(dropped) + ')' if dropped else ''}, "
                   f"{self.total_steps} steps; eval loss before: {before.get('eval/loss', float('nan')):.4f}", flush=True)
         interrupt = GracefulInterrupt()
         bar = progress(self.total_steps, enabled=cfg.progress_bar, initial=self.start_step)

@@ -100,3 +100,13 @@ def test_special_token_text_in_a_reply_is_trained_as_the_text_not_as_turn_marker
     assert trained[-1] == tokenizer.eos_token_id  # the turn's own end, sampled by the model
     assert tokenizer.eos_token_id not in trained[:-1] and tokenizer.convert_tokens_to_ids("<|im_start|>") not in trained
     assert tokenizer.decode(trained[:-1]) == reply
+
+
+def test_dropped_conversations_are_counted_by_their_reason(tmp_path, tokenizer):
+    """``dropped_too_long`` used to count conversations with nothing to train on as too long."""
+    path = tmp_path / "d.jsonl"
+    whole_reply_prefilled = {**chat("q", "x"), "agent": {"response_prefix": "<answer>x</answer>"}}  # 0 written tokens
+    records = [chat("q0", "a0"), chat("q1", "a1"), chat("long " * 200, "a"), whole_reply_prefilled]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = load_dataset(path, tokenizer, eval_fraction=0.5, eval_max=8, max_length=128, seed=0, train_on_eos=False)
+    assert (len(data.train) + len(data.eval), data.dropped_too_long, data.dropped_untrained) == (2, 1, 1)
