@@ -32,8 +32,11 @@ def collapse_signals(trajectories: list[Trajectory]) -> dict[str, float]:
     """Diversity and dependence-on-input of one step's responses.
 
     * ``collapse/in_group_reward_std`` -- mean over groups of the std of episode rewards within the
-      group: 0 means every group agrees and GRPO-style updates get no signal.
-    * ``collapse/distinct_2`` -- distinct word bigrams / all bigrams over the step's responses.
+      group: 0 means every group agrees and GRPO-style updates get no signal. Left out when no group
+      has two episodes (``rollout.group_size=1``): there is no in-group spread to measure, and a 0
+      would read as "every group agrees".
+    * ``collapse/distinct_2`` -- distinct word bigrams / all bigrams over the step's first responses
+      (left out when no response has two words: one-word answers have no bigrams to repeat).
     * ``collapse/cross_prompt_similarity`` -- mean bigram-Jaccard similarity of first responses to
       *different* prompts (groups); near 1 means the model answers every input the same way.
     * ``collapse/prompt_response_mi`` -- plug-in mutual information I(prompt; response) in bits over
@@ -49,10 +52,9 @@ def collapse_signals(trajectories: list[Trajectory]) -> dict[str, float]:
     stds = [statistics.pstdev([t.reward for t in g]) for g in by_group.values() if len(g) > 1]
     responses = [t.turns[0].response for t in ok]
     all_bigrams = [bg for r in responses for bg in zip(r.split(), r.split()[1:])]
-    out = {
-        "collapse/in_group_reward_std": statistics.fmean(stds) if stds else 0.0,
-        "collapse/distinct_2": len(set(all_bigrams)) / len(all_bigrams) if all_bigrams else 0.0,
-    }
+    out = {"collapse/in_group_reward_std": statistics.fmean(stds)} if stds else {}
+    if all_bigrams:
+        out["collapse/distinct_2"] = len(set(all_bigrams)) / len(all_bigrams)
     firsts = [(gid, _bigrams(g[0].turns[0].response)) for gid, g in sorted(by_group.items())]
     pairs = [(a, b) for i, (_, a) in enumerate(firsts) for (_, b) in firsts[i + 1 :]]
     if pairs:
@@ -80,8 +82,9 @@ class CollapseMonitor:
 
     Thresholds (documented in ``docs/collapse.md``): entropy below ``entropy_floor``; in-group
     reward std below ``std_floor`` for ``patience`` consecutive steps; a gradient norm above
-    ``spike_factor`` × the running median of the previous ones; cross-prompt similarity above
-    ``similarity_ceiling``.
+    ``spike_factor`` × the running median of the previous ones (an infinite one too; it is kept
+    out of the median); cross-prompt similarity above ``similarity_ceiling``. A collapse is
+    confirmed once low entropy and a flat in-group reward std coincide for ``patience`` consecutive steps.
     """
 
     entropy_floor: float = 0.05
@@ -91,6 +94,8 @@ class CollapseMonitor:
     patience: int = 3
     _grad_norms: list[float] = field(default_factory=list)
     _flat_steps: int = 0
+    #: Consecutive steps with both low entropy and a flat in-group reward std.
+    _collapse_steps: int = 0
     collapsed: bool = False
 
     def check(self, metrics: dict[str, float]) -> list[str]:
@@ -104,16 +109,20 @@ class CollapseMonitor:
             if self._flat_steps >= self.patience:
                 warnings.append(f"in-group reward std ~0 for {self._flat_steps} steps: no learning signal left")
         grad = metrics.get("actor/grad_norm")
-        if grad is not None and math.isfinite(grad):
+        if grad is not None and not math.isnan(grad):
             history = [g for g in self._grad_norms[-20:] if g > 0]
             if len(history) >= 5 and grad > self.spike_factor * statistics.median(history):
                 warnings.append(f"grad norm spike {grad:.3g} > {self.spike_factor} x running median {statistics.median(history):.3g}")
-            self._grad_norms.append(grad)
+            if math.isfinite(grad):
+                self._grad_norms.append(grad)
         similarity = metrics.get("collapse/cross_prompt_similarity")
         if similarity is not None and similarity > self.similarity_ceiling:
             warnings.append(f"cross-prompt similarity {similarity:.2f} > {self.similarity_ceiling}: template collapse")
-        # Confirmed collapse: low entropy together with no reward variance left.
-        if entropy is not None and entropy < self.entropy_floor and self._flat_steps >= self.patience:
+        # Confirmed collapse: low entropy together with no reward variance left, for `patience` steps in a row.
+        if entropy is not None or std is not None:
+            both = entropy is not None and entropy < self.entropy_floor and std is not None and std < self.std_floor
+            self._collapse_steps = self._collapse_steps + 1 if both else 0
+        if self._collapse_steps >= self.patience:
             self.collapsed = True
         return warnings
 

@@ -127,8 +127,14 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
 
         result["optimality"] = lake_optimality(greedy, target.env_config, agent)
     if k > 0:
+        import torch
+
         sampled_seeds = [s for s in seeds for _ in range(n)]
-        sampled = play(True, sampled_seeds)
+        # The samples are drawn from torch's generator seeded with the config's `seed` (the caller's state is put
+        # back): the same config samples the same episodes, whatever ran before in the process (another tag's).
+        with torch.random.fork_rng():
+            torch.manual_seed(config.seed)
+            sampled = play(True, sampled_seeds)
         per_seed: dict[int, list[bool]] = {s: [] for s in seeds}
         for traj in sampled:
             if not traj.error:
@@ -237,6 +243,9 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
         report[f"pass@{k}"] = sampled.get("pass_at_k")
     if greedy.get("env_errors"):
         notes.append(f"{int(greedy['env_errors'])} greedy episode(s) ended with an env error and are left out")
+    if sampled.get("env_errors"):
+        notes.append(f"{int(sampled['env_errors'])} sampled episode(s) ended with an env error and are left out; "
+                     f"pass@{k} is over the {sampled['seeds_scored']} of {len(seeds)} seeds with at least {k} samples left")
     if greedy.get("context_full"):
         notes.append(f"{greedy['context_full']:.1%} of greedy episodes ended early at the model's context (counted as "
                      "played: a success only if the env reported one before)")

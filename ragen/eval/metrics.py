@@ -71,11 +71,13 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
 
 
 def group_pass_at_k(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    """``{prefix}/pass@k``: share of groups (same ``group_id``) with a success, when all groups have k >= 2 members.
+    """``{prefix}/pass@k``: mean over groups (same ``group_id``) of the unbiased pass@k, when all groups have k >= 2 members.
 
-    With n = k samples per group the unbiased pass@k estimator 1 − C(n−c, k)/C(n, k) is 1 if
-    any of the c successes exist, else 0; groups of unequal size (e.g. after an env error)
-    use the smallest size as k and are scored on all their members.
+    A group of n members with c successes scores 1 − C(n−c, k)/C(n, k) (Chen et al. 2021): with n = k
+    (training groups) 1 if any member succeeded, else 0, so the metric is the share of groups with a
+    success. Groups of unequal size (e.g. after an env error) use the smallest size as k; a larger
+    group is scored by the same estimator with its own n, not by "any of its n members succeeded"
+    (that would be its pass@n).
     """
     groups: dict[int, list[bool]] = defaultdict(list)
     for t in trajectories:
@@ -83,7 +85,8 @@ def group_pass_at_k(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     k = min((len(g) for g in groups.values()), default=0)
     if k < 2:
         return {}
-    return {f"{prefix}/pass@{k}": sum(any(g) for g in groups.values()) / len(groups)}
+    scores = [1.0 - math.comb(len(g) - sum(g), k) / math.comb(len(g), k) for g in groups.values()]
+    return {f"{prefix}/pass@{k}": sum(scores) / len(groups)}
 
 
 def tag_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
