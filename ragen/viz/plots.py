@@ -7,12 +7,13 @@ labelled by the run directory's name. Uses matplotlib's Agg backend (no display 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
 from typing import Sequence
 
-from ragen.files import file_in_the_way
+from ragen.files import atomic_open, file_in_the_way
 from ragen.viz.viewer import read_jsonl
 
 __all__ = ["PANELS", "load_curves", "plot_runs"]
@@ -34,8 +35,13 @@ def _number(value) -> float | None:
     """A metric value as a float (NaN and ±inf kept: they are drawn as gaps and named in the panel), else None."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # more digits than a float holds
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
+        return value
     return None
 
 
@@ -73,7 +79,8 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
         out.append(name)
     if len(set(out)) < len(out):  # still ambiguous: number them
         out = [f"{i}: {label}" for i, label in enumerate(out)]
-    return [label.replace("$", r"\$") for label in out]  # a directory name is text, not matplotlib's $math$
+    # a directory name is text, not matplotlib's $math$; what UTF-8 cannot hold (a non-UTF-8 name) becomes "?"
+    return [label.replace("$", r"\$").encode("utf-8", "replace").decode("utf-8") for label in out]
 
 
 def _output_path(run_dirs: Sequence[Path], out: str | os.PathLike | None) -> Path:
@@ -139,12 +146,13 @@ def plot_runs(
     for ax, (title, series) in zip(axes.flat, panels):
         odd = sorted({int(x) if float(x).is_integer() else x for _, _, points in series for x, y in points
                       if not math.isfinite(y)})
+        lines = []
         for label, key, points in series:
             xs, ys = zip(*points)
             ys = [y if math.isfinite(y) else math.nan for y in ys]  # NaN breaks the line: no straight line across
             # markers on short series, and on any with gaps: a value between two NaNs has no line to show it
             marker = "o" if len(points) <= 30 else ("." if any(math.isnan(y) for y in ys) else None)
-            ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
+            lines += ax.plot(xs, ys, label=label, color=color_of[label], marker=marker, markersize=3, linewidth=1.4)
         if odd:
             shown = ", ".join(map(str, odd[:6])) + (", ..." if len(odd) > 6 else "")
             title = f"{title} (NaN/inf at step {shown}: gaps)"
@@ -154,12 +162,18 @@ def plot_runs(
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=8)
         if len(series) > 1 or len(labels) > 1:
-            ax.legend(fontsize=8)
+            # handles and labels given: matplotlib would leave out a run whose name starts with "_"
+            ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(" vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs", fontsize=11)
     fig.tight_layout()
     target = _output_path(paths, out)
-    fig.savefig(target, dpi=dpi, format="png")
-    plt.close(fig)
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
+    with atomic_open(target) as f:  # a failed write leaves the previous PNG as it was
+        f.buffer.write(png.getvalue())
     return [target]

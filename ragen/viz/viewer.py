@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ragen.config import written_by_ragen
-from ragen.files import file_in_the_way
+from ragen.files import file_in_the_way, write_text_atomic
 from ragen.viz.frames import Frames, read_run_config, replay_frames
 
 __all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
@@ -129,6 +129,12 @@ _ANSWER_RE = re.compile(r"<\s*answer\s*>(.*?)(?:<\s*/\s*answer\s*>|\Z)", re.IGNO
 _STEP_FILE_RE = re.compile(r"step_(\d+)\.jsonl$")
 
 
+def _write_page(path: Path, text: str) -> None:
+    """Write a page atomically (a browser or ``--serve`` reading it during a re-run gets the old page or the new one,
+    never half of one); what UTF-8 cannot hold (lone surrogates: a non-UTF-8 file name, broken env text) becomes ``?``."""
+    write_text_atomic(path, text.encode("utf-8", "replace").decode("utf-8"))
+
+
 def e(value: Any) -> str:
     """HTML-escape anything (attribute-safe)."""
     return html.escape("" if value is None else str(value), quote=True)
@@ -163,16 +169,24 @@ def _as_int(value: Any) -> int | None:
         return value
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         return int(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
+    if isinstance(value, str):
+        try:  # "--3", "²" or 5000 digits pass a str test but are no step
+            return int(value.strip())
+        except ValueError:
+            return None
     return None
 
 
 def _as_float(value: Any) -> float | None:
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # more digits than a float holds
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
+        return value
     if isinstance(value, str):
         try:
             return float(value)
@@ -347,8 +361,8 @@ def render_tokens(traj: dict, scale: float) -> str:
             cls, tip = "m", f"#{i} written by the model; this episode was left out of the update"
         elif not trained:
             cls, tip = "m", f"#{i} not trained (prompt/env)"
-        elif adv is None or not math.isfinite(adv):
-            cls, tip = "z", f"#{i} trained, advantage {adv!r}"
+        elif adv is None or not math.isfinite(adv):  # the log writes NaN and inf as null
+            cls, tip = "unk", f"#{i} trained, advantage not a number ({advs[i] if i < len(advs) else None!r})"
         else:
             b = _bucket(adv, scale) if adv != 0 else 0
             cls = "z" if b == 0 else ("p" if adv > 0 else "n") + str(b)
@@ -576,14 +590,14 @@ def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = N
         prev_step = steps[pos - 1] if pos > 0 else None
         next_step = steps[pos + 1] if pos + 1 < len(steps) else None
         page = _step_page(run_name, step, metrics.get(step, {}), trajectories, prev_step, next_step)
-        (out / f"{_step_name(step)}.html").write_text(page, encoding="utf-8")
+        _write_page(out / f"{_step_name(step)}.html", page)
         folder = out / _step_name(step)
         folder.mkdir(exist_ok=True)
         for i, traj in enumerate(trajectories):
             html_text = _traj_page(run_name, step, i, len(trajectories), traj, scale, run_config)
-            (folder / _traj_name(i)).write_text(html_text, encoding="utf-8")
+            _write_page(folder / _traj_name(i), html_text)
     index = out / "index.html"
-    index.write_text(_index_page(run, metrics, counts), encoding="utf-8")
+    _write_page(index, _index_page(run, metrics, counts))
     return index
 
 
