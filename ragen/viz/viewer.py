@@ -126,7 +126,7 @@ N_BUCKETS = 8
 
 _THINK_RE = re.compile(r"<\s*think\s*>(.*?)(?:<\s*/\s*think\s*>|(?=<\s*answer\s*>)|\Z)", re.IGNORECASE | re.DOTALL)
 _ANSWER_RE = re.compile(r"<\s*answer\s*>(.*?)(?:<\s*/\s*answer\s*>|\Z)", re.IGNORECASE | re.DOTALL)
-_STEP_FILE_RE = re.compile(r"step_(\d+)\.jsonl$")
+_STEP_FILE_RE = re.compile(r"step_(\d+)\.jsonl")  # the whole name (fullmatch): not a backup_step_1.jsonl
 
 
 def _write_page(path: Path, text: str) -> None:
@@ -146,7 +146,7 @@ def e(value: Any) -> str:
 def read_jsonl(path: Path) -> Iterator[dict]:
     """The JSON objects of a JSONL file; blank, malformed and non-object lines are skipped."""
     try:
-        handle = open(path, encoding="utf-8", errors="replace")
+        handle = open(path, encoding="utf-8-sig", errors="replace")
     except OSError:
         return
     with handle:
@@ -211,7 +211,7 @@ def _rollout_files(run_dir: Path) -> dict[int, Path]:
     folder = run_dir / "rollouts"
     if folder.is_dir():
         for path in folder.iterdir():
-            match = _STEP_FILE_RE.search(path.name)
+            match = _STEP_FILE_RE.fullmatch(path.name)
             if match and path.is_file():
                 files[int(match.group(1))] = path
     return files

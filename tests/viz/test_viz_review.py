@@ -139,3 +139,14 @@ def test_an_integer_too_large_for_a_float_is_an_infinite_value_not_a_crash(tmp_p
     assert plot_runs([run])[0].is_file()
     traj = {"tokens": ["a", "b"], "loss_mask": [1, 1], "advantages": [int("1" + "0" * 400), 0.5], "in_update": True}
     assert "class='p4'" in render_tokens(traj, 1.0)
+
+
+def test_only_step_files_are_read_and_a_byte_order_mark_loses_no_line(tmp_path):
+    from ragen.viz.viewer import _rollout_files, read_jsonl
+
+    run = _run(tmp_path, trajs=[{"env": "bandit", "turns": []}])
+    (run / "rollouts" / "backup_step_000001.jsonl").write_text("{}\n")  # a user's copy: not step 1's log
+    assert {k: p.name for k, p in _rollout_files(run).items()} == {1: "step_000001.jsonl"}
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"step": 1}\n{"step": 2}\n')  # a file saved by an editor that adds a BOM
+    assert [row["step"] for row in read_jsonl(bom)] == [1, 2]
