@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,7 @@ class BanditEnv(TextEnv):
 
     ## Information
     ``success`` (the arm with the higher expected payoff was pulled: the high arm unless a
-    config makes ``high_prob * high_payoff`` <= ``low_payoff``), ``action_is_valid``, ``action_is_effective``
+    config makes ``high_prob * high_payoff`` < ``low_payoff``), ``action_is_valid``, ``action_is_effective``
     (always True for a valid pull), ``high_arm`` (its name), ``metric/second_listed`` (1.0 when the pulled arm is
     the one listed second, else 0.0; logged as ``info_second_listed``).
 
@@ -120,6 +121,9 @@ class BanditEnv(TextEnv):
                 raise ValueError(f"bandit: arm_order must be one of {list(ARM_ORDERS)}, got {self.arm_order!r}")
             if not 0.0 <= self.high_prob <= 1.0:
                 raise ValueError(f"bandit: high_prob must be in [0, 1], got {self.high_prob}")
+            for key in ("low_payoff", "high_payoff"):
+                if not math.isfinite(getattr(self, key)):
+                    raise ValueError(f"bandit: {key} must be a finite number, got {getattr(self, key)}")
 
     def __init__(self, render_mode: str | None = None, **cfg: Any):
         self.config = build_config(self.Config, cfg, "bandit")

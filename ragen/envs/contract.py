@@ -106,7 +106,10 @@ def checked_reward(env: Any, reward: Any) -> float:
     if not isinstance(value, numbers.Real):
         raise EnvContractError(f"{_name(env)}.step returned {_a(reward)} reward ({reward!r:.60}); "
                                "rewards are real numbers")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int or Fraction beyond a float's range
+        value = math.inf if value > 0 else -math.inf
     if not math.isfinite(value):
         raise EnvContractError(f"{_name(env)}.step returned a non-finite reward ({value})")
     return value

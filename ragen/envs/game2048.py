@@ -18,6 +18,8 @@ ACTION_LOOKUP = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
 UP, DOWN, LEFT, RIGHT = 1, 2, 3, 4
 
 _CHARSET = frozenset("0123456789. \n")
+#: The largest ``target``: the board holds 64-bit ints, and no tile exceeds the target.
+MAX_TARGET = 2**62
 
 
 @register("game2048")
@@ -66,7 +68,7 @@ class Game2048Env(TextEnv):
     value)`` of the new tile, 0-based, or None), ``score`` (rewards so far), ``max_tile``.
 
     ## Arguments
-    ``size`` (>= 2), ``target`` (a power of two >= 4), ``max_steps``, ``spawn_four_prob``
+    ``size`` (>= 2), ``target`` (a power of two in 8..2**62, or 4 with ``spawn_four_prob`` 0), ``max_steps``, ``spawn_four_prob``
     (in [0, 1]), ``own_spawn_draw`` (False: a group's envs share the spawns, as they share the seed).
 
     See :func:`move` (one move on a board, pure) and :func:`best_move` (the expert's
@@ -91,6 +93,12 @@ class Game2048Env(TextEnv):
                 raise ValueError(f"game2048: size must be >= 2, got {self.size}")
             if self.target < 4 or self.target & (self.target - 1):
                 raise ValueError(f"game2048: target must be a power of two >= 4, got {self.target}")
+            if self.target > MAX_TARGET:
+                raise ValueError(f"game2048: target must be at most 2**62 (tiles are 64-bit ints), got {self.target}")
+            if self.target == 4 and self.spawn_four_prob > 0:
+                # a spawned 4 would be the target: the start board could already be won
+                raise ValueError("game2048: target 4 needs spawn_four_prob=0 (a spawned 4 is the target); "
+                                 f"got spawn_four_prob={self.spawn_four_prob}")
             if self.max_steps <= 0:
                 raise ValueError(f"game2048: max_steps must be positive, got {self.max_steps}")
             if not 0.0 <= self.spawn_four_prob <= 1.0:

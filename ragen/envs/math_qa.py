@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,8 @@ class MathQAEnv(TextEnv):
         self.config = build_config(self.Config, cfg, "math_qa")
         self.render_mode = check_render_mode("math_qa", render_mode, self.metadata["render_modes"])
         self.items = load_items(self.config)
-        chars = set(_ASCII)
-        for question, _ in self.items:
-            chars.update(question)
-        longest = max(len(q) for q, _ in self.items) + max(len(v) for v in _VERDICTS.values()) + 1
-        self.observation_space = spaces.Text(min_length=0, max_length=longest, charset=frozenset(chars))
+        longest, charset = _question_text(tuple(self.items))
+        self.observation_space = spaces.Text(min_length=0, max_length=longest, charset=charset)
         self.index = -1
         self._pending_answer: str | None = None
         self._verdict = ""
@@ -157,6 +155,16 @@ class MathQAEnv(TextEnv):
         if self.index < 0:
             return ""
         return f"{self.question}\n{self._verdict}" if self._verdict else self.question
+
+
+@lru_cache(maxsize=8)
+def _question_text(items: tuple[tuple[str, str], ...]) -> tuple[int, frozenset[str]]:
+    """The longest observation and the charset of these problems (cached: a large data set took seconds an env)."""
+    chars = set(_ASCII)
+    for question, _ in items:
+        chars.update(question)
+    longest = max(len(q) for q, _ in items) + max(len(v) for v in _VERDICTS.values()) + 1
+    return longest, frozenset(chars)
 
 
 def extract_gold(answer: str) -> str:

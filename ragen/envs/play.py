@@ -23,7 +23,7 @@ from typing import Any, Callable
 import yaml
 
 import ragen.envs
-from ragen.envs.contract import checked_reset, instructions_problem
+from ragen.envs.contract import checked_action_id, checked_reset, checked_step, instructions_problem
 from ragen.agent.context import PromptFormat
 from ragen.agent.rollout import AgentSettings
 
@@ -146,7 +146,7 @@ def play(
             continue
         turns += 1
         actions = split_answer(line, settings.action_sep)[: settings.max_actions_per_turn]
-        ids = [raw.parse_action(a) for a in actions]
+        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
         feedback, reward = "", 0.0
         if not actions or None in ids:
             bad = actions[ids.index(None)] if actions else ""
@@ -157,7 +157,7 @@ def play(
             if actions_left is not None:
                 ids = ids[:actions_left]
             for action_id in ids:
-                observation, r, terminated, truncated, info = env.step(action_id)
+                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
                 reward += float(r)
                 success = bool(info.get("success", False))
                 if actions_left is not None:

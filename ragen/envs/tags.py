@@ -165,9 +165,10 @@ def resolve_tag(name: str, user_tags: Mapping[str, Mapping[str, Any]] | None = N
     tag = EnvTag(name=name, **raw)
     for key in ("max_turn", "max_actions_per_turn"):
         value = getattr(tag, key)
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TagError(f"env tag {name!r}: {key} must be an int >= 1, got {value!r}")
-    if tag.max_actions_per_traj is not None and (not isinstance(tag.max_actions_per_traj, int) or tag.max_actions_per_traj < 0):
+    traj = tag.max_actions_per_traj
+    if traj is not None and (isinstance(traj, bool) or not isinstance(traj, int) or traj < 0):
         raise TagError(f"env tag {name!r}: max_actions_per_traj must be an int >= 0, got {tag.max_actions_per_traj!r}")
     tag.make_env()  # the env and its config are checked by the env itself
     return tag
