@@ -40,9 +40,9 @@ GROUP_MEMBER_OPTION = "group_member"
 def group_member(options: dict | None, env_name: str) -> int:
     """The env's place in its group from ``reset``'s ``options`` (0 when absent); a clear ``ValueError`` otherwise."""
     member = (options or {}).get(GROUP_MEMBER_OPTION, 0)
-    if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+    if isinstance(member, bool) or not isinstance(member, numbers.Integral) or member < 0:  # numpy ints too
         raise ValueError(f"{env_name}: options[{GROUP_MEMBER_OPTION!r}] must be an int >= 0, got {member!r}")
-    return member
+    return int(member)
 
 
 #: The spawn key's first word for an env's own after-start generator (ASCII "RAGN"). ``default_rng([seed, member])``

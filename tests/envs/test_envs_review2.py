@@ -119,3 +119,16 @@ def test_play_checks_what_a_user_envs_step_and_parse_action_return():
                           ("review2_str_id", "StrIdEnv.parse_action\\('go'\\) returned a str")]:
         with pytest.raises(EnvContractError, match=message):
             play(name, {}, seed=0, input_fn=lambda prompt: "go", print_fn=lambda *a: None)
+
+
+def test_group_member_takes_numpy_integers_like_action_ids_do():
+    import numpy as np
+
+    env = ragen.envs.make("bandit", own_payoff_draw=True)
+    runs = []
+    for member in (2, np.int64(2)):
+        env.reset(seed=3, options={"group_member": member})
+        runs.append((env.step(1)[1], env.reset(seed=3, options={"group_member": member})[0]))
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        env.reset(seed=3, options={"group_member": np.float64(2)})
