@@ -9,9 +9,10 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN/`` holding
   per-GPU generators, the trainer's seed generator);
 * ``COMPLETE`` -- written last.
 
-It is assembled in a temporary sibling directory and renamed into place, so a crash leaves
-either the whole new checkpoint or none of it; :func:`latest_checkpoint` skips any directory
-without ``COMPLETE`` or that fails to load, falling back to the previous one with a warning.
+It is assembled in a temporary sibling directory, its files synced to disk, and renamed into place, so a
+crash leaves either the whole new checkpoint or none of it (a temporary directory a kill left behind is
+removed by the next save); :func:`latest_checkpoint` skips any directory without ``COMPLETE`` or that
+fails to load, falling back to the previous one with a warning.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
         state = {"step": step, "optimizer": opt_json, "scheduler": scheduler.state_dict(), "rng": rng_json, **extra}
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / COMPLETE).write_text(str(step))
+        for part in tmp.iterdir():  # contents on disk before the rename publishes them (not only the names)
+            _fsync_file(part)
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -97,8 +100,12 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
         _fsync_dir(final.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+    # the newest `keep` up to this step: a later one is left from before a resume that fell back past it (damaged)
+    done = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p.name <= final.name)
+    for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in final.parent.glob(".tmp-step_*"):  # assembled by a process killed mid-write (one writer per run)
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -245,6 +252,11 @@ def _to_json(obj):
 
 def _from_json(obj):
     return tuple(_from_json(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

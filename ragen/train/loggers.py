@@ -7,12 +7,13 @@ viewer, ``ragen plot`` and ``--resume`` read it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ragen.files import strict_dumps
+from ragen.files import strict_dumps, strict_json, write_text_atomic
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
@@ -74,15 +75,29 @@ def numeric(metrics: dict) -> dict[str, float]:
 
 
 class JsonlLogger:
-    """``RUN_DIR/metrics.jsonl``: the metrics dict of each step as one JSON line, appended."""
+    """``RUN_DIR/metrics.jsonl``: the metrics dict of each step as one JSON line, appended.
+
+    One line per step: metrics of the step the last line already holds (a finishing ``--resume`` validating the
+    step a run stopped at) are merged into that line, and the file is rewritten atomically.
+    """
 
     def __init__(self, path: Path):
         self.path = path
+        self.last_step: int | None = None  # the step of the file's last line, once read
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         line = metrics if "step" in metrics else {"step": step, **metrics}
+        if self.last_step is None and self.path.is_file():  # a resumed run: the log so far (truncated by the resume)
+            lines = [text for text in self.path.read_text().splitlines() if text.strip()]
+            self.last_step = json.loads(lines[-1]).get("step") if lines else None
+        if line["step"] == self.last_step:
+            lines = [text for text in self.path.read_text().splitlines() if text.strip()]
+            merged = {**json.loads(lines[-1]), **strict_json(line)}
+            write_text_atomic(self.path, "".join(text + "\n" for text in [*lines[:-1], strict_dumps(merged)]))
+            return
         with self.path.open("a") as f:  # strict JSON: NaN/inf as null (jq, JavaScript and pandas read every line)
             f.write(strict_dumps(line) + "\n")
+        self.last_step = line["step"]
 
     def close(self) -> None:
         pass

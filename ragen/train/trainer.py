@@ -248,6 +248,12 @@ class StarPOTrainer:
             if stop:
                 bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
                 summary["stopped_on_collapse_at_step"] = step
+                # the run ends here: its last validation is this step's, run now if the step had none (same line)
+                after = {k: v for k, v in metrics.items() if k.startswith("val/")}
+                if not after:
+                    after = self.validate(step)
+                    self.log({"step": step, **after})
+                summary["val_after"] = after
                 break
         interrupt.restore()
         bar.close()
@@ -338,7 +344,6 @@ class StarPOTrainer:
             metrics["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(ev_sums)
         metrics["actor/backward_skipped"] = float(zero_gradient)
         metrics.update(adv.metrics)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         t_sync = time.perf_counter()
         if self.sync_rollout_weights():
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
@@ -468,9 +473,10 @@ class StarPOTrainer:
         # the explained-variance sums (EV_PREFIX keys) go back with the metrics: update() pools them over its steps
         sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
         grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses: read before the schedule moves on
         self.optimizer.step()
         self.scheduler.step()
-        return {**sums, "actor/grad_norm": float(grad_norm)}
+        return {**sums, "actor/grad_norm": float(grad_norm), "actor/lr": lr}
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, *, policy: bool, values: bool, ref: bool) -> dict[str, torch.Tensor]:
@@ -556,7 +562,11 @@ class StarPOTrainer:
         if self.rollout_pool is not None:
             return self.rollout_pool.run(step, seeds, group_ids, self.val_rollout.sampling, self.rollout_model, stream="val")
         slots = self.val_slots
-        return self.val_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
+        # sampled validation draws from a fork of torch's RNG: the training rollouts' stream (and so every later
+        # step, and a checkpoint's saved state) is the same whether or not a step validates
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            return self.val_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings,
+                                        tags=slots.tags)
 
     def logged_validation(self, step: int) -> dict[str, float]:
         """The ``val/*`` metrics ``metrics.jsonl`` holds for ``step`` (empty if none were logged)."""
