@@ -52,7 +52,8 @@ def init_distributed(timeout_s: float = 3600.0) -> tuple[int, int]:
     """Join the process group ``torchrun`` describes (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``); return ``(rank, world)``.
 
     Backend: gloo on CPU; with CUDA, ``cpu:gloo,cuda:nccl`` (NCCL for CUDA tensors, gloo for
-    the CPU tensors and pickled objects). No-op returning ``(0, 1)`` when ``WORLD_SIZE`` is
+    the CPU tensors and pickled objects), and ``LOCAL_RANK``'s GPU becomes the current device
+    when it is visible (a rank past the visible GPUs is left to ``trainer.device``). No-op returning ``(0, 1)`` when ``WORLD_SIZE`` is
     unset or 1. Idempotent: an already initialised group is reused. ``timeout_s`` is generous
     because ranks other than 0 wait at the broadcast while rank 0 rolls out and validates.
     """
@@ -62,7 +63,11 @@ def init_distributed(timeout_s: float = 3600.0) -> tuple[int, int]:
     if world <= 1:
         return 0, 1
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        # Only a GPU that exists: with trainer.device=cpu a rank may have none, and with auto
+        # resolve_device reports a missing one as a config error naming trainer.device.
+        if local_rank < torch.cuda.device_count():
+            torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"

@@ -176,7 +176,11 @@ class RayRolloutPool:
         self.actor = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
         self.workers = [self._spawn(i) for i in range(len(self.ranges))]
         self.restarts = 0
-        ray.get([w.ping.remote() for w in self.workers])  # constructor errors surface here, not mid-training
+        try:
+            ray.get([w.ping.remote() for w in self.workers])  # constructor errors surface here, not mid-training
+        except BaseException:  # no pool for the caller to close: stop the actors (and the Ray this pool started)
+            self.close()
+            raise
 
     @staticmethod
     def check(config: RunConfig):
