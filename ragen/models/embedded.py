@@ -48,7 +48,9 @@ def check_embedded(tokenizer_only: bool = False) -> None:
     gguf_path()
 
 
-def _atomic_write_dir(final: Path, write) -> Path:
+def _atomic_write_dir(final: Path, write, complete=None) -> Path:
+    """Write a directory through ``write(tmp)`` and rename it to ``final``. A ``final`` already there that another process
+    renamed into place is kept; one that ``complete(final)`` says is not (damaged: renames are atomic) is replaced."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
     try:
@@ -58,6 +60,16 @@ def _atomic_write_dir(final: Path, write) -> Path:
         except OSError:  # another process won the race: keep theirs
             if not final.exists():
                 raise
+            if complete is not None and not complete(final):  # a damaged cache (files deleted or cut short)
+                damaged = Path(tempfile.mkdtemp(prefix=final.name + ".damaged-", dir=final.parent))
+                try:
+                    os.replace(final, damaged / final.name)
+                    os.replace(tmp, final)
+                except OSError:  # another process replaced it meanwhile
+                    if not complete(final):
+                        raise
+                finally:
+                    shutil.rmtree(damaged, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -76,7 +88,7 @@ def embedded_tokenizer_dir() -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer.save_pretrained(tmp)
 
-    return _atomic_write_dir(final, write)
+    return _atomic_write_dir(final, write, complete=lambda d: (d / "tokenizer_config.json").is_file())
 
 
 def embedded_model_dir() -> Path:
@@ -98,4 +110,5 @@ def embedded_model_dir() -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(embedded_tokenizer_dir()).save_pretrained(tmp)
 
-    return _atomic_write_dir(final, write)
+    return _atomic_write_dir(final, write, complete=lambda d: (d / "model.safetensors").is_file()
+                             and (d / "tokenizer_config.json").is_file())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ragen.models.embedded import EMBEDDED_NAME, check_embedded, embedded_model_dir, embedded_tokenizer_dir
 from ragen.models.tiny import TINY_NAME, load_tiny
 
@@ -37,7 +39,10 @@ def adapter_base(path: Path) -> tuple[str, int]:
     """
     import json
 
-    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"adapter {path}: adapter_config.json is not valid JSON ({exc})") from None
     run_config = next((p / "config.yaml" for p in (path, path.parent) if (p / "config.yaml").is_file()), None)
     seed = 0
     if run_config is not None:
@@ -64,7 +69,14 @@ def check_model(spec: str) -> None:
         return
     path = resolve_model_path(spec)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        check_model(adapter_base(path)[0])
+        base_spec = adapter_base(path)[0]
+        _check_adapter_weights(spec, path)
+        check_model(base_spec)
+
+
+def _check_adapter_weights(spec: str, path: Path) -> None:
+    if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ModelLoadError(f"adapter {spec!r}: {path} has adapter_config.json but no adapter_model.safetensors")
 
 
 def load_tokenizer(spec: str):
@@ -101,13 +113,26 @@ def load_model(spec: str, *, seed: int = 0):
         from ragen.models.lora import peft_quietly
 
         base_spec, base_seed = adapter_base(path)
+        _check_adapter_weights(spec, path)
         base, _ = load_model(base_spec, seed=base_seed)
+        try:
+            with peft_quietly():
+                peft = PeftModel.from_pretrained(base, path)
+        except Exception as exc:  # a truncated adapter file: safetensors' SafetensorError
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise ModelLoadError(f"adapter {spec!r}: its weights file is damaged ({exc})") from None
+        _untie_adapted_embeddings(peft.get_base_model())
         with peft_quietly():
-            model = PeftModel.from_pretrained(base, path).merge_and_unload()
+            model = peft.merge_and_unload()
         model.requires_grad_(True)  # peft leaves the merged weights frozen; a plain model trains every weight
+        if not (path / "tokenizer_config.json").is_file():  # an adapter saved without its tokenizer: the base's
+            return model.eval(), load_tokenizer(base_spec)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        except OSError as exc:  # no weights file, an unreadable config.json, ...
+            raise ModelLoadError(f"model {spec!r} could not be loaded: {str(exc).splitlines()[0]}") from None
         except Exception as exc:  # safetensors' SafetensorError (a truncated file) is no OSError or ValueError
             if type(exc).__name__ != "SafetensorError":
                 raise
@@ -116,6 +141,34 @@ def load_model(spec: str, *, seed: int = 0):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except json.JSONDecodeError as exc:  # e.g. an empty or cut-short tokenizer.json
         raise ModelLoadError(f"model {spec!r}: a tokenizer file in {path} is not valid JSON ({exc})") from None
+    except (OSError, ValueError) as exc:  # no tokenizer files at all (transformers' message runs over many lines)
+        raise ModelLoadError(f"model {spec!r}: {path} holds no usable tokenizer (tokenizer.json, tokenizer_config.json): "
+                             f"{type(exc).__name__}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def _untie_adapted_embeddings(model) -> None:
+    """Give the LM head its own copy of a tied embedding weight when a LoRA adapter wraps either of them.
+
+    Trained, such an adapter changes only its own module (the head's output, or the embedding lookup); merged into a
+    weight the two modules share, it would change the other one too, and the loaded model would not compute what was
+    trained. Untied first, the merge changes the adapted module alone (``tie_word_embeddings`` becomes false).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    config = getattr(model, "config", None)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embedding is None:
+        return
+    if not (isinstance(head, LoraLayer) or isinstance(embedding, LoraLayer)):
+        return
+    head = head.get_base_layer() if isinstance(head, LoraLayer) else head
+    embedding = embedding.get_base_layer() if isinstance(embedding, LoraLayer) else embedding
+    if head.weight is not embedding.weight:
+        return
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    config.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # what transformers would tie again (tie_weights): nothing now
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=False)
