@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ragen.files import atomic_open, file_in_the_way
-from ragen.viz.viewer import read_jsonl
+from ragen.viz.viewer import json_number, read_jsonl
 
 __all__ = ["PANELS", "load_curves", "plot_runs"]
 
@@ -31,20 +31,6 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 DEFAULT_NAME = "curves.png"
 
 
-def _number(value) -> float | None:
-    """A metric value as a float (NaN and ±inf kept: they are drawn as gaps and named in the panel), else None."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int):
-        try:
-            return float(value)
-        except OverflowError:  # more digits than a float holds
-            return math.inf if value > 0 else -math.inf
-    if isinstance(value, float):
-        return value
-    return None
-
-
 def load_curves(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, float]]]:
     """``{metric key: [(step, value), ...]}`` from ``RUN_DIR/metrics.jsonl`` (non-numeric values skipped).
 
@@ -56,12 +42,12 @@ def load_curves(run_dir: str | os.PathLike) -> dict[str, list[tuple[float, float
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     curves: dict[str, list[tuple[float, float]]] = {}
     for position, row in enumerate(read_jsonl(path)):
-        step = _number(row.get("step"))
+        step = json_number(row.get("step"))
         x = step if step is not None and math.isfinite(step) else float(position)
         for key, value in row.items():
             if key == "step":
                 continue
-            y = math.nan if value is None else _number(value)  # the log writes NaN and inf as null: a gap
+            y = math.nan if value is None else json_number(value)  # the log writes NaN and inf as null: a gap
             if y is not None:
                 curves.setdefault(key, []).append((x, y))
     for points in curves.values():

@@ -177,7 +177,8 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
-def _as_float(value: Any) -> float | None:
+def json_number(value: Any) -> float | None:
+    """A JSON number (or bool) as a float, NaN and ±inf kept, an int past float range as ±inf; else None."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, int):
@@ -187,12 +188,17 @@ def _as_float(value: Any) -> float | None:
             return math.inf if value > 0 else -math.inf
     if isinstance(value, float):
         return value
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    """:func:`json_number`, and a number written as a string."""
     if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             return None
-    return None
+    return json_number(value)
 
 
 def _metrics_by_step(run_dir: Path) -> dict[int, dict]:
