@@ -98,29 +98,19 @@ class _FakeRay:
         self.initialized = False
 
 
-def test_pool_that_fails_to_start_kills_its_actors_and_shuts_down_the_ray_it_started(monkeypatch):
+@pytest.mark.parametrize("pool_started_ray", [True, False])
+def test_pool_that_fails_to_start_kills_its_actors_and_shuts_down_only_the_ray_it_started(monkeypatch, pool_started_ray):
     """A worker whose constructor fails (bad model path on a node, out of memory, ...) makes the pool's
     constructor raise. The actors already started and the Ray session the pool started must not outlive
     it: else the next pool in this process finds Ray running, takes it for the caller's, and never shuts
-    it down."""
+    it down. A caller's own Ray session stays up."""
     fake = _FakeRay()
     monkeypatch.setattr(ray_rollout.RayRolloutPool, "check", staticmethod(lambda config: fake))
-    monkeypatch.setattr(ray_rollout, "init_ray", lambda address="", num_cpus=None: True)  # this pool started Ray
+    monkeypatch.setattr(ray_rollout, "init_ray", lambda address="", num_cpus=None: pool_started_ray)
     config = load_config("sokoban", ["model=tiny", "rollout.backend=ray", "rollout.num_workers=2",
                                      "rollout.env_groups=2", "rollout.group_size=2"])
     with pytest.raises(fake.RayActorError):
         ray_rollout.RayRolloutPool(config)
     assert len(fake.spawned) == 2
     assert fake.killed == fake.spawned
-    assert not fake.initialized
-
-
-def test_pool_that_fails_to_start_leaves_a_callers_ray_running(monkeypatch):
-    fake = _FakeRay()
-    monkeypatch.setattr(ray_rollout.RayRolloutPool, "check", staticmethod(lambda config: fake))
-    monkeypatch.setattr(ray_rollout, "init_ray", lambda address="", num_cpus=None: False)  # Ray was already up
-    config = load_config("sokoban", ["model=tiny", "rollout.backend=ray", "rollout.num_workers=2",
-                                     "rollout.env_groups=2", "rollout.group_size=2"])
-    with pytest.raises(fake.RayActorError):
-        ray_rollout.RayRolloutPool(config)
-    assert fake.killed == fake.spawned and fake.initialized
+    assert bool(fake.initialized) is not pool_started_ray
