@@ -21,11 +21,7 @@ def merge_adapter(spec: str | Path, out: str | Path) -> dict:
     a LoRA adapter (a fully fine-tuned run is already a standalone model: use its ``final/``)
     or ``out`` already holds a model.
     """
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
     from ragen.models.loading import load_model
-    from ragen.models.lora import peft_quietly
 
     path = resolve_model_path(str(spec))
     if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
@@ -35,18 +31,16 @@ def merge_adapter(spec: str | Path, out: str | Path) -> dict:
         raise ModelLoadError(f"--out {out} already holds a model (config.json); choose another directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelLoadError(f"--out {out} exists and is not an empty directory; choose a new one")
-    base_spec, base_seed = adapter_base(path)
-    base, _ = load_model(base_spec, seed=base_seed)
-    with peft_quietly():
-        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # load_model merges an adapter dir the way training saw it: a tied head / embedding is untied before an adapter
+    # on either is merged, and an adapter saved without a tokenizer gets its base's
+    merged, tokenizer = load_model(str(path))
 
     def write(directory: Path) -> None:
         merged.save_pretrained(directory, safe_serialization=True)
         tokenizer.save_pretrained(directory)
 
     write_dir_atomic(out, write)  # built next to it, then swapped in: a failure leaves no half-written model
-    return {"adapter": str(path), "base": base_spec, "out": str(out)}
+    return {"adapter": str(path), "base": adapter_base(path)[0], "out": str(out)}
 
 
 __all__ = ["merge_adapter"]

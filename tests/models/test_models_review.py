@@ -123,3 +123,21 @@ def test_a_damaged_embedded_tokenizer_cache_is_converted_again(tmp_path, monkeyp
     assert (damaged / "tokenizer_config.json").is_file()
     assert load_tokenizer("tiny").eos_token == "<|im_end|>"
     assert sorted(p.name for p in damaged.parent.iterdir()) == [damaged.name]  # nothing left behind
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "lm_head"], ["q_proj", "embed_tokens"], None])
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["with-tokenizer", "adapter-only"])
+def test_sft_merge_of_a_tied_head_adapter_writes_the_trained_model(tmp_path, targets, tokenizer):
+    # `ragen sft merge` merged into the weight the head and the embedding share (max logit difference 4.6 with an
+    # lm_head adapter), and read the tokenizer from the adapter dir alone (peft's save writes none)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen.sft.merge import merge_adapter
+
+    wrapped = save_adapter(tmp_path / "adapter", targets, tokenizer=tokenizer)
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()  # transformers alone
+    with torch.no_grad():
+        torch.testing.assert_close(merged(IDS).logits, wrapped(IDS).logits, rtol=1e-5, atol=1e-5)
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").get_vocab() == load_tokenizer("tiny").get_vocab()
