@@ -34,7 +34,7 @@ from ragen.sft.preflight import check_run_dir, data_change_problem
 from ragen.files import file_sha256, strict_dumps, write_dir_atomic, write_text_atomic
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.logprobs import policy_forward
-from ragen.train.optimizer import adamw
+from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
 
 
@@ -127,6 +127,9 @@ class SFTTrainer:
             if last or (cfg.eval_freq and step % cfg.eval_freq == 0):
                 metrics.update(last_eval := self.evaluate())
             self.log(metrics)
+            if metrics["train/nonfinite_grad_skipped"]:
+                bar.write(f"[ragen sft] step {step}: the gradient norm was {metrics['train/grad_norm']:g}; "
+                          "the step was skipped, weights kept")
             # a time cap stops like an interrupt: with a checkpoint, so `--resume` continues from this step
             if (cfg.save_freq and step % cfg.save_freq == 0) or interrupt.requested or out_of_time:
                 self.save_checkpoint(step)
@@ -174,10 +177,9 @@ class SFTTrainer:
             loss_sum += float(nll_sum.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not step_if_finite(self.optimizer, self.scheduler, grad_norm)  # a NaN / inf gradient changes nothing
         return {"train/loss": loss_sum / total_tokens, "train/tokens": float(total_tokens), "train/conversations": float(len(examples)),
-                "train/grad_norm": float(grad_norm), "train/lr": lr}
+                "train/grad_norm": float(grad_norm), "train/lr": lr, "train/nonfinite_grad_skipped": float(skipped)}
 
     def nll_sum(self, batch: SFTBatch) -> torch.Tensor:
         """Σ over assistant targets of −log π(target), a scalar (bf16 autocast, fp32 log-softmax)."""

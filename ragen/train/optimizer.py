@@ -35,3 +35,19 @@ def adamw(params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float],
     params = list(params)
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                              fused=(fused and can_fuse(params)) or None)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor | float) -> bool:
+    """Step ``optimizer`` and the lr ``scheduler`` unless the total gradient norm is NaN or infinite; True if stepped.
+
+    One overflowed or NaN gradient would otherwise reach every weight through AdamW's moments and leave the model
+    NaN for good. A non-finite step is dropped instead -- gradients cleared, weights, moments and the schedule
+    untouched -- as Megatron-LM and DeepSpeed skip an overflowed step. The norm is computed after the gradients'
+    all-reduce, so every rank of a distributed run makes the same choice.
+    """
+    if not torch.isfinite(torch.as_tensor(grad_norm)).item():
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    scheduler.step()
+    return True

@@ -42,7 +42,7 @@ from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
-from ragen.train.optimizer import adamw
+from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 from ragen.train.preflight import run_dir_problem
 
@@ -222,6 +222,9 @@ class StarPOTrainer:
                 summary["val_after"] = val
                 metrics.update(val)
             self.log(metrics)
+            if metrics.get("actor/nonfinite_grad_skipped") and self.is_main:
+                bar.write(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
+                          f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
             for warning in self.collapse_monitor.check(metrics):
                 bar.write(f"[ragen] collapse warning at step {step}: {warning}")
             stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
@@ -474,9 +477,8 @@ class StarPOTrainer:
         sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
         grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses: read before the schedule moves on
-        self.optimizer.step()
-        self.scheduler.step()
-        return {**sums, "actor/grad_norm": float(grad_norm), "actor/lr": lr}
+        skipped = not step_if_finite(self.optimizer, self.scheduler, grad_norm)  # a NaN / inf gradient changes nothing
+        return {**sums, "actor/grad_norm": float(grad_norm), "actor/lr": lr, "actor/nonfinite_grad_skipped": float(skipped)}
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, *, policy: bool, values: bool, ref: bool) -> dict[str, torch.Tensor]:
