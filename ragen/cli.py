@@ -121,20 +121,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             return _fail(str(exc))
         print(to_yaml(config), end="")
         return 0
+    from ragen.train.distributed import close_distributed
     from ragen.train.trainer import StarPOTrainer
 
-    try:
-        trainer = StarPOTrainer(config, resume=bool(args.resume))
-    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError) as exc:
-        return _fail(str(exc))
-    except ValueError as exc:  # env/algorithm config rejected by its owner: the message names the key
-        return _fail(str(exc))
-    try:
+    try:  # under torchrun every way out leaves the process group cleanly, a refused start-up included
+        try:
+            trainer = StarPOTrainer(config, resume=bool(args.resume))
+        except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError) as exc:
+            return _fail(str(exc))
+        except ValueError as exc:  # env/algorithm config rejected by its owner: the message names the key
+            return _fail(str(exc))
         summary = trainer.train()
     finally:
-        from ragen.train.distributed import close_distributed
-
-        close_distributed()  # under torchrun: leave the process group cleanly
+        close_distributed()
     return INTERRUPTED if "interrupted_at_step" in summary else 0
 
 

@@ -217,7 +217,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
-    #: Linear warm-up steps (0 = constant LR).
+    #: Linear warm-up over this many *optimizer* steps (0 = constant LR), as in transformers' Trainer / TRL: an RL
+    #: training step makes ppo_epochs x ceil(episodes / mini_batch_size) of them, an SFT step one. A skipped
+    #: (non-finite gradient) step does not count.
     warmup_steps: int = 0
     #: Train only the last N decoder layers (0 = all): embeddings, LM head and lower layers stay
     #: frozen, so the backward pass stops at layer L-N (ragen/models/freeze.py). Under LoRA only

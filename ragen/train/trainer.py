@@ -151,7 +151,7 @@ class StarPOTrainer:
                            do_sample=t.val_do_sample, stop=stop),
             max_in_flight=r.max_episodes_in_flight,
         )
-        # rollout.backend=ray: training episodes play on Ray actors (ragen/train/ray_rollout.py); validation stays here
+        # rollout.backend=ray: training and validation episodes play on Ray actors (ragen/train/ray_rollout.py)
         self.rollout_pool = None
         if r.backend == "ray" and self.is_main:
             from ragen.train.ray_rollout import RayRolloutPool
@@ -159,8 +159,12 @@ class StarPOTrainer:
             self.rollout_pool = RayRolloutPool(config)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if resume:
-            self._resume()
-            self.sync_rollout_weights()
+            try:
+                self._resume()
+                self.sync_rollout_weights()
+            except BaseException:  # a refused resume must not leave the Ray workers (and Ray) running
+                self.close_rollout_pool()
+                raise
         if self.is_main:  # after a resume succeeded: a failed one leaves the run's config.yaml as it was
             write_text_atomic(self.run_dir / "config.yaml", to_yaml(config))
         self.loggers = build_loggers(config, self.run_dir, self.metrics_path, self.start_step if resume else None) if self.is_main else []
@@ -169,10 +173,20 @@ class StarPOTrainer:
     # ================================ the algorithm ===================================
 
     def train(self) -> dict:
+        """Run the remaining steps; whatever ends them (the last step, Ctrl-C, a collapse, an exception), Ctrl-C's
+        handler is restored and the loggers and Ray workers are closed."""
+        interrupt = GracefulInterrupt()
+        try:
+            return self._train(interrupt)
+        finally:
+            interrupt.restore()
+            self.close_loggers()
+            self.close_rollout_pool()
+
+    def _train(self, interrupt: "GracefulInterrupt") -> dict:
         cfg = self.config
         start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir)}
-        interrupt = GracefulInterrupt()
         if cfg.trainer.val_before_train and self.start_step == 0:
             val = self.validate()
             summary["val_before"] = val
@@ -194,18 +208,19 @@ class StarPOTrainer:
                           "no step left to run (raise trainer.total_steps to continue it)", flush=True)
 
         bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
+        say = bar.write if self.is_main else (lambda line: None)  # under torchrun one console line, not one per rank
         for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             # -- StarPO rollout stage: every group plays from its own seed ---------------
             trajectories = broadcast_object(self.rollout(step) if self.is_main else None)  # identical batch on every rank
             t1 = time.perf_counter()
             failed = [t for t in trajectories if t.error]
-            if failed and self.is_main:  # the run goes on (those episodes train on nothing); the user is told why
-                bar.write(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
+            if failed:  # the run goes on (those episodes train on nothing); the user is told why
+                say(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
                           f"(first: {failed[0].error.splitlines()[0]})")
             full = [t for t in trajectories if t.context_full]
-            if full and self.is_main:
-                bar.write(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
+            if full:
+                say(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
                           f"context (first: {full[0].context_full})")
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
@@ -216,17 +231,17 @@ class StarPOTrainer:
             if cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0 and step != cfg.trainer.total_steps:
                 val = self.validate(step)
                 metrics.update(val)
-                self.report_validation(f"at step {step}", val, write=bar.write)
+                self.report_validation(f"at step {step}", val, write=say)
             if step == cfg.trainer.total_steps:
                 val = self.validate(step)
                 summary["val_after"] = val
                 metrics.update(val)
             self.log(metrics)
-            if metrics.get("actor/nonfinite_grad_skipped") and self.is_main:
-                bar.write(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
+            if metrics.get("actor/nonfinite_grad_skipped"):
+                say(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
                           f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
             for warning in self.collapse_monitor.check(metrics):
-                bar.write(f"[ragen] collapse warning at step {step}: {warning}")
+                say(f"[ragen] collapse warning at step {step}: {warning}")
             stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
             interrupt.requested, stop = broadcast_object((interrupt.requested, stop))  # ranks leave the loop together
             if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
@@ -238,9 +253,10 @@ class StarPOTrainer:
             if interrupt.requested:
                 bar.close()
                 interrupt.restore()
-                print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
-                      f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
-                      f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
+                if self.is_main:
+                    print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
+                          f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
+                          f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
                 summary["interrupted_at_step"] = step
                 self.close_loggers()
                 self.close_rollout_pool()
@@ -249,7 +265,7 @@ class StarPOTrainer:
                     write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
                 return summary
             if stop:
-                bar.write(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
+                say(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
                 summary["stopped_on_collapse_at_step"] = step
                 # the run ends here: its last validation is this step's, run now if the step had none (same line)
                 after = {k: v for k, v in metrics.items() if k.startswith("val/")}
@@ -260,10 +276,10 @@ class StarPOTrainer:
                 break
         interrupt.restore()
         bar.close()
+        if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:  # on the pool, as every validation
+            summary["val_after"] = self.validate(self.start_step)
         self.close_loggers()
         self.close_rollout_pool()
-        if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:
-            summary["val_after"] = self.validate(self.start_step)
         if not self.is_main:  # nothing to write: rank 0 saves, plots and summarises
             return {**summary, "wall_time_s": time.perf_counter() - start}
         if cfg.trainer.save_final:
@@ -631,7 +647,9 @@ class StarPOTrainer:
             logger.log(metrics, step=int(metrics["step"]))
 
     def close_loggers(self) -> None:
-        for logger in self.loggers:
+        """Close every logger once (a second call, e.g. train()'s clean-up after the run closed them, does nothing)."""
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
             logger.close()
 
     def close_rollout_pool(self) -> None:
