@@ -26,7 +26,7 @@ from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
-from ragen.files import strict_dumps, write_text_atomic
+from ragen.files import atomic_open, strict_dumps, write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
@@ -614,6 +614,8 @@ class StarPOTrainer:
             return f"not drawn: {exc}"
         except ValueError as exc:  # e.g. every episode's env failed, so no plotted metric has a value
             return f"not drawn: {exc}"
+        except OSError as exc:  # e.g. a full disk: the run itself is done, its summary must still be written
+            return f"not drawn: {type(exc).__name__}: {exc}"
 
     def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
         """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL); rank 0 only."""
@@ -625,7 +627,7 @@ class StarPOTrainer:
             rows = {id(t): advantages[i] for i, t in enumerate(trained)}
         path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
         path.parent.mkdir(exist_ok=True)
-        with path.open("w") as f:
+        with atomic_open(path) as f:  # a viewer reading the run meanwhile never sees half a step
             for traj in logged_sample(trajectories, self.config.trainer.log_rollouts_n):
                 adv = rows.get(id(traj))
                 n = len(traj.input_ids)

@@ -130,3 +130,32 @@ def test_sampled_validation_leaves_the_training_stream_alone(tmp_path):
 
     assert training(cut) == training(straight)
     assert "val/success" in _lines(cut)[1] and "val/success" not in _lines(straight)[1]
+
+
+def test_a_rollout_log_cut_short_leaves_no_half_written_step_file(tmp_path, monkeypatch):
+    from ragen.train import trainer as trainer_module
+
+    run = tmp_path / "run"
+    calls = []
+
+    def dies_on_the_second_record(value, indent=None):  # as a kill or a full disk part-way through the file
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+        return json.dumps(value)
+
+    monkeypatch.setattr(trainer_module, "strict_dumps", dies_on_the_second_record)
+    with pytest.raises(OSError, match="No space"):
+        main(["train", "bandit", "trainer.total_steps=1", "trainer.val_before_train=false", "trainer.log_rollouts_freq=1",
+              "trainer.log_rollouts_n=4", f"trainer.output_dir={run}", *ARGS])
+    assert list((run / "rollouts").iterdir()) == []  # before: step_000001.jsonl with one of its four records
+
+
+def test_a_plot_that_cannot_be_written_does_not_lose_the_runs_summary(tmp_path, monkeypatch):
+    import ragen.viz.plots as plots
+
+    monkeypatch.setattr(plots, "plot_runs", lambda runs: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    run = tmp_path / "run"
+    args = [a for a in ARGS if a != "trainer.plot=false"]
+    assert main(["train", "bandit", "trainer.total_steps=1", "trainer.val_before_train=false", f"trainer.output_dir={run}", *args]) == 0
+    assert json.loads((run / "summary.json").read_text())["plot"].startswith("not drawn: OSError")
