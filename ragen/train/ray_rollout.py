@@ -22,7 +22,10 @@ the trainer back the same :class:`~ragen.agent.Trajectory` list a local rollout 
 * If an actor dies (``ray.exceptions.RayActorError``, e.g. ``ActorDiedError``) the pool starts
   a replacement with the same slot range, and resubmits that worker's slice of the step
   with the same weights reference, up to :data:`MAX_RETRIES` times per worker per step. The
-  other workers' results are kept, so no trajectory is lost or played twice.
+  other workers' results are kept, so no trajectory is lost or played twice. An exception the
+  rollout code itself raised on a worker (``RayTaskError``) is not retried: the replay would play
+  the same seeds with the same weights and raise again (an env's own errors never get there:
+  they end their episode and are reported, see ``Trajectory.error``).
 
 * **Validation** runs on the same actors: each also holds a contiguous share of the
   validation slots (:func:`split_evenly`, one episode per slot) and plays it with the
