@@ -35,12 +35,12 @@ def load_tiny(seed: int = 0):
     """Return ``(model, tokenizer)``; the same ``seed`` gives the same weights."""
     tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
     config = tiny_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    # the weights come from `seed`; every generator manual_seed touches (the CPU's and each visible GPU's) is put back,
+    # so loading the model leaves the run's sampling streams where they were
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

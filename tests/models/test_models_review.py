@@ -141,3 +141,18 @@ def test_sft_merge_of_a_tied_head_adapter_writes_the_trained_model(tmp_path, tar
     with torch.no_grad():
         torch.testing.assert_close(merged(IDS).logits, wrapped(IDS).logits, rtol=1e-5, atol=1e-5)
     assert AutoTokenizer.from_pretrained(tmp_path / "merged").get_vocab() == load_tokenizer("tiny").get_vocab()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU: the GPU generator's case runs only with one"))])
+def test_loading_the_tiny_model_leaves_the_runs_generators_where_they_were(device):
+    # its weights are drawn after manual_seed(seed), which seeds every device; only the CPU's state used to be restored
+    from ragen.models.tiny import load_tiny
+
+    torch.manual_seed(5)
+    expected = torch.rand(3, device=device)
+    torch.manual_seed(5)
+    first, _ = load_tiny(seed=0)
+    assert torch.equal(torch.rand(3, device=device), expected)
+    second, _ = load_tiny(seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
