@@ -2,6 +2,12 @@
 
 A sequence of ``L`` ids gives ``T = L - 1`` targets: position ``t`` of every ``(B, T)``
 tensor here scores token ``input_ids[:, t + 1]`` from the logits at ``t``.
+
+Rewards sit on trainable targets (``response_mask`` 1), the only ones the estimators read: a turn's reward on
+its last one. A turn with none (an empty reply, or every token masked) pays on the previous turn's last
+trainable target -- or, with no earlier one, the next turn's -- so ``Σ token_rewards`` is the episode
+return, the score outcome estimators (GRPO) use. Only an episode without any trainable target gets no token
+reward (nothing could carry it; the trainer leaves such episodes out); ``scores`` still holds its return.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # (B, L)
     response_mask: torch.Tensor  # (B, T) float, 1 where the target token was written by the model
     token_rewards: torch.Tensor  # (B, T) episode return on the last model-written target
-    turn_rewards: torch.Tensor  # (B, T) each turn's reward on that turn's last model-written target
+    turn_rewards: torch.Tensor  # (B, T) each turn's reward on that turn's last model-written target (see above)
     turn_ends: torch.Tensor  # (B, T) bool, True at each turn's last model-written target
     group_ids: torch.Tensor  # (B,)
     scores: torch.Tensor  # (B,) episode returns
@@ -62,15 +68,19 @@ def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> 
         response_mask[b, : n - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float)
         seen = [traj.initial_observation] + [turn.observation for turn in traj.turns]
         returns = discounted_returns([turn.reward for turn in traj.turns], gamma)
-        for k, ((start, end), turn) in enumerate(zip(traj.turn_spans, traj.turns)):
-            if end > start:  # an empty reply has no token to carry its reward
-                turn_ends[b, end - 2] = True  # target index of the turn's last token
-                turn_rewards[b, end - 2] += turn.reward
+        ends = turn_end_targets(traj.turn_spans, response_mask[b])
+        for k, ((start, end), turn, last) in enumerate(zip(traj.turn_spans, traj.turns, ends)):
+            if last is not None:  # a turn without a trainable target is no turn for the estimators
+                turn_ends[b, last] = True
                 anchor = anchors.setdefault((traj.tag or traj.env_name, seen[k]), len(anchors))
                 anchor_ids[b, start - 1 : end - 1] = anchor
                 step_returns[b, start - 1 : end - 1] = returns[k]
-        if traj.turn_spans and traj.turn_spans[-1][1] > traj.turn_spans[-1][0]:
-            token_rewards[b, traj.turn_spans[-1][1] - 2] = traj.reward
+        carriers = reward_targets(ends)
+        for turn, target in zip(traj.turns, carriers):
+            if target is not None:
+                turn_rewards[b, target] += turn.reward
+        if carriers and carriers[-1] is not None:  # the episode's last trainable target
+            token_rewards[b, carriers[-1]] = traj.reward
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -150,6 +160,33 @@ def collate_turns(trajectories: list[Trajectory], pad_id: int) -> tuple[TrainBat
         anchor_ids=torch.full((B, L - 1), -1, dtype=torch.long), step_returns=zeros.clone(),
     )
     return batch, TurnIndex(*(torch.tensor(x, dtype=torch.long) for x in index))
+
+
+def turn_end_targets(spans: list[tuple[int, int]], response_mask: torch.Tensor) -> list[int | None]:
+    """Each turn's last trainable target, or None if it has none.
+
+    Turn ``(start, end)`` writes tokens ``start..end-1``, scored by targets ``start-1..end-2``; only those with
+    ``response_mask`` 1 train, so an empty reply (``end == start``) or a fully masked one has none.
+    """
+    out: list[int | None] = []
+    for start, end in spans:
+        trainable = response_mask[max(start - 1, 0) : max(end - 1, 0)].nonzero()
+        out.append(max(start - 1, 0) + int(trainable[-1]) if len(trainable) else None)
+    return out
+
+
+def reward_targets(ends: list[int | None]) -> list[int | None]:
+    """Where each turn's reward goes: its own last trainable target, else the previous turn's that has one, else
+    (leading turns without any) the first one of the episode; None only when no turn has a trainable target.
+
+    Never dropped: outcome estimators score an episode by the sum of its token rewards.
+    """
+    out, last = [], None
+    for end in ends:
+        last = end if end is not None else last
+        out.append(last)
+    first = next((end for end in ends if end is not None), None)
+    return [target if target is not None else first for target in out]
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:

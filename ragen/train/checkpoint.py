@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import warnings
@@ -36,9 +37,28 @@ from ragen.train.optimizer import IMPLEMENTATION_KEYS
 
 COMPLETE = "COMPLETE"
 
+#: A checkpoint directory's whole name; the step has 6 digits or more (``checkpoint_dir``'s padding).
+_STEP_DIR = re.compile(r"step_(\d+)")
+
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of checkpoint directory ``path`` (``step_000042`` → 42); None for any other name."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _by_step(run_dir: Path) -> list[tuple[int, Path]]:
+    """``run_dir``'s checkpoint directories with their steps, oldest first.
+
+    By number, not name: the padding is 6 digits, so from step 1 000 000 on names sort wrongly
+    (``step_1000000`` < ``step_999999``). Other names (a user's ``step_best`` copy) are not ours.
+    """
+    found = ((checkpoint_step(p), p) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    return sorted((step, p) for step, p in found if step is not None)
 
 
 def rng_state(seed_rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -101,7 +121,7 @@ def save_checkpoint(run_dir: Path, step: int, named_params: dict[str, torch.Tens
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # the newest `keep` up to this step: a later one is left from before a resume that fell back past it (damaged)
-    done = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p.name <= final.name)
+    done = [p for done_step, p in _by_step(run_dir) if done_step <= step]
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in final.parent.glob(".tmp-step_*"):  # assembled by a process killed mid-write (one writer per run)
@@ -131,7 +151,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """``run_dir``'s checkpoint directories, newest first (not read: some may be partial or damaged)."""
-    return sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()), reverse=True)
+    return [p for _, p in reversed(_by_step(run_dir))]
 
 
 def no_checkpoint(run_dir: Path) -> FileNotFoundError:

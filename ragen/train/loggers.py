@@ -124,6 +124,20 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def wandb_run_id(id_file: Path) -> str:
+    """The wandb run id kept in ``id_file`` (``--resume`` continues that wandb run); a new one is made and saved
+    when there is none.
+
+    Written atomically: a kill mid-write must not leave an empty file, whose id would be lost on resume. A blank
+    file (left by a non-atomic write of an older version) counts as none.
+    """
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(4)
+        write_text_atomic(id_file, run_id + "\n")  # creates the directory too
+    return run_id
+
+
 class WandbLogger:
     """Weights & Biases, files under ``RUN_DIR/wandb``; offline unless ``WANDB_API_KEY`` or ``WANDB_MODE`` says otherwise.
 
@@ -139,11 +153,7 @@ class WandbLogger:
             from ragen.config import ConfigError
 
             raise ConfigError(WANDB_MISSING) from None
-        root = run_dir / "wandb"
-        root.mkdir(parents=True, exist_ok=True)
-        id_file = root / "ragen_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
-        id_file.write_text(run_id + "\n")
+        run_id = wandb_run_id(run_dir / "wandb" / "ragen_run_id")
         # No WANDB_MODE and no API key: this machine cannot log in, so record offline (`wandb sync` later).
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.wandb = wandb
