@@ -29,7 +29,7 @@ from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefil
 from ragen.models.growing_cache import make_growing, plain_layers
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
-from ragen.models.sampling import InverseCDFSampler
+from ragen.models.sampling import InverseCDFSampler, multinomial_generate_kwargs
 from ragen.models.transposed_gemm import transposed_linears
 
 if TYPE_CHECKING:
@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class SamplingParams:
+    """One generation request. ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off) alone shape the sampled
+    distribution with either HF sampler (and on the vLLM engine): the model's ``generation_config`` warpers (its
+    temperature, top-k, top-p, min-p, typical-p, ...) are not applied (:mod:`ragen.models.sampling`, "Which
+    distribution"). The trainer's log-probs assume ``softmax(logits / temperature)``: exact with top-k and top-p off,
+    not with them on."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -122,7 +128,8 @@ class HFBackend:
 
     ``sampler="inverse_cdf"`` (default) draws sampled tokens with
     :class:`~ragen.models.sampling.InverseCDFSampler` (same distribution, one uniform per row);
-    ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``.
+    ``"multinomial"`` leaves sampling to ``generate(do_sample=True)``, with the model's own
+    ``generation_config`` warpers switched off so that both sample what ``SamplingParams`` describes.
 
     ``transposed_gemm=True`` (default) computes the plain fp32 CPU ``nn.Linear`` layers (decoder
     projections and LM head) as ``(W @ hᵀ)ᵀ`` while generating, for calls of up to 128 rows
@@ -272,7 +279,9 @@ class HFBackend:
         else:
             if params.do_sample:
                 sampler = False
-                kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+                # the inverse-CDF sampler's distribution: ragen's warpers only, the model's generation_config ones off
+                kwargs.update(multinomial_generate_kwargs(self.model.generation_config, params.temperature,
+                                                          params.top_k, params.top_p))
             if params.min_new_tokens:
                 kwargs.update(min_new_tokens=params.min_new_tokens)
         was_training = self.model.training

@@ -29,6 +29,18 @@ and the returned scores (transformers' top-k / top-p warpers, when asked for, st
 pages (page faults) each time (``docs/performance.md``, "Sampling without fresh pages"). The
 returned tensor is therefore overwritten at the next step: do not combine this processor with
 ``generate(output_scores=True)``, which keeps every step's scores.
+
+Which distribution, on every path. ragen's own ``temperature`` / ``top_k`` / ``top_p`` (``SamplingParams``, from
+``rollout.*``) decide the warping, whichever sampler runs: they already override the model's ``generation_config``
+values of the same names, and the model's other warpers (min-p, typical-p, epsilon, eta, top-h) and its watermark
+are switched off for ``generate(do_sample=True)`` too (:func:`multinomial_generate_kwargs`), as on the vLLM engine,
+which is sent ragen's three values alone. Without that, a model whose ``generation_config`` sets e.g. ``min_p``
+sampled a truncated distribution with ``sampler="multinomial"`` and the full one here. The trainer's log-probs
+(``ragen/train/logprobs.py``: ``log softmax(z / rollout.temperature)``) are those of this distribution when top-k
+and top-p are off (the defaults); with them on, tokens come from the renormalised head, which the old log-probs
+and the importance ratio do not model. Processors that are not warpers (a repetition penalty in the model's
+``generation_config``, ...) run on both HF paths alike -- ``generate`` applies them before this processor, the
+decode loop hands such models to ``generate`` -- and are not in the trainer's log-probs either.
 """
 
 from __future__ import annotations
@@ -38,6 +50,28 @@ from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper,
 
 #: Tokens per block of :func:`inverse_cdf`'s first level.
 BLOCK = 256
+
+#: ``generation_config`` fields with which ``generate(do_sample=True)`` warps the sampled distribution beyond
+#: temperature / top-k / top-p (transformers 5's ``_get_logits_processor``: the min-p, typical, epsilon, eta and
+#: top-h warpers, and the watermark it adds after them), each with the value that adds nothing.
+#: :class:`InverseCDFSampler` applies none of them -- a watermark could not even be honoured, as ``generate`` runs it
+#: after this processor has chosen the token -- so the multinomial path is asked not to either.
+GENERATION_CONFIG_WARPERS_OFF = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                                 "top_h": None, "watermarking_config": None}
+
+
+def multinomial_generate_kwargs(generation_config, temperature: float = 1.0, top_k: int = 0,
+                                top_p: float = 1.0) -> dict:
+    """``generate`` keyword arguments that sample with ``torch.multinomial`` from :class:`InverseCDFSampler`'s distribution.
+
+    ``generate`` merges the model's ``generation_config`` (and transformers' global defaults, among them ``top_k=50``)
+    into every call; explicit arguments win. So ragen's three values are always passed (``top_k=None``, not 0, keeps
+    the default 50 out), and the other warpers are passed switched off (:data:`GENERATION_CONFIG_WARPERS_OFF`): the
+    distribution is the one ``SamplingParams`` describes and the trainer scores, whatever the model's config says.
+    """
+    # only fields this transformers knows (top_h is newer than 5.0): generate hands unknown ones to the model
+    off = {name: value for name, value in GENERATION_CONFIG_WARPERS_OFF.items() if hasattr(generation_config, name)}
+    return dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p, **off)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -110,6 +144,21 @@ class InverseCDFSampler(LogitsProcessor):
         ``scores`` may be written (EOS set to -inf before ``min_new_tokens``). :mod:`ragen.models.decode_loop`
         calls this directly; ``generate`` goes through ``__call__``.
         """
+        weights = self._weights(input_ids, scores)  # (B, V)
+        u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
+        return inverse_cdf(weights, u)  # (B, 1)
+
+    def probs(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        """The distribution :meth:`draw` samples from for these arguments, ``(B, V)`` float64 (a fresh tensor).
+
+        Computed by the same code as ``draw``'s weights, so a comparison with another sampling path (tests,
+        diagnostics) checks what is really drawn; ``scores`` may be written, as by ``draw``.
+        """
+        weights = self._weights(input_ids, scores).double()  # (B, V) a copy: the buffer is reused
+        return weights / weights.sum(-1, keepdim=True)
+
+    def _weights(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        """softmax's numerator of the warped scores, ``(B, V)`` float32 in the reused buffer (see :meth:`draw`)."""
         if self._prompt_width is None or input_ids.shape[1] < self._prompt_width:  # a generate call's first step
             self._prompt_width = input_ids.shape[1]  # (one sampler per call, as HFBackend makes them)
         if self.suppress and input_ids.shape[1] - self._prompt_width < self.min_new_tokens:
@@ -121,6 +170,4 @@ class InverseCDFSampler(LogitsProcessor):
         torch.sub(scores, scores.amax(-1, keepdim=True), out=weights)  # z - max z ≤ 0 (-inf stays -inf)
         if not self.warpers and self.temperature != 1.0:
             weights.div_(self.temperature)
-        weights.exp_()  # w = exp((z - max z) / T) ∈ [0, 1]: softmax's numerator
-        u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
-        return inverse_cdf(weights, u)  # (B, 1)
+        return weights.exp_()  # w = exp((z - max z) / T) ∈ [0, 1]: softmax's numerator
