@@ -21,7 +21,12 @@ observation).
 Everything in a rollout (model text, decoded tokens, observations, even env names) is
 untrusted: every string is passed through :func:`html.escape` (``quote=True``) before it is
 written, file names and CSS classes are generated here and never taken from the data, and each
-page carries a Content-Security-Policy that forbids scripts altogether.
+page carries a Content-Security-Policy that forbids scripts altogether. Unicode bidirectional
+controls in that text are shown as a marked ``<U+202E>`` instead of acting: left to act they
+reorder what is displayed ("Trojan Source"), so a reply could read as something it is not.
+
+A re-run removes the pages it wrote earlier for steps (or trajectories) the run no longer has,
+and nothing else: only files named and headed as this module names and heads its pages.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ragen.config import written_by_ragen
 from ragen.files import file_in_the_way, write_text_atomic
@@ -120,13 +125,26 @@ p.note{color:#8a5a00;font-style:italic}
     f".tokens span.p{i},.legend span.p{i}{{background:rgba(34,160,70,{0.12 + 0.11 * (i - 1):.2f})}}"
     f".tokens span.n{i},.legend span.n{i}{{background:rgba(220,50,47,{0.12 + 0.11 * (i - 1):.2f})}}"
     for i in range(1, 9)
-) + ".legend span.m{background:#f1f1f1}.legend span.z{background:#fff;outline:1px dotted #c8c8c8}\n"
+) + ".legend span.m{background:#f1f1f1}.legend span.z{background:#fff;outline:1px dotted #c8c8c8}\n" + (
+    # Last, so it wins over `.tokens span` when a token holds one.
+    "span.bidi{color:#b42318;background:#fff1f0;border:1px solid #ffa39e;border-radius:2px;box-shadow:none;"
+    "font:bold .8em ui-monospace,monospace;padding:0 1px}\n"
+)
 
 N_BUCKETS = 8
 
 _THINK_RE = re.compile(r"<\s*think\s*>(.*?)(?:<\s*/\s*think\s*>|(?=<\s*answer\s*>)|\Z)", re.IGNORECASE | re.DOTALL)
 _ANSWER_RE = re.compile(r"<\s*answer\s*>(.*?)(?:<\s*/\s*answer\s*>|\Z)", re.IGNORECASE | re.DOTALL)
 _STEP_FILE_RE = re.compile(r"step_(\d+)\.jsonl")  # the whole name (fullmatch): not a backup_step_1.jsonl
+# What this module writes into the output dir (fullmatch, then checked against the namer: see _generated_number).
+_STEP_PAGE_RE = re.compile(r"step_(\d+)\.html")
+_STEP_DIR_RE = re.compile(r"step_(\d+)")
+_TRAJ_PAGE_RE = re.compile(r"traj_(\d+)\.html")
+
+# Unicode bidirectional controls (the "Trojan Source" set): ALM, LRM, RLM, the embeddings/overrides LRE..RLO and the
+# isolates LRI..PDI. Each only steers how the text around it is displayed; none is a letter, so showing it as a
+# marker loses nothing, while Arabic or Hebrew letters (which carry their own direction) are left as they are.
+_BIDI_RE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def _write_page(path: Path, text: str) -> None:
@@ -135,9 +153,28 @@ def _write_page(path: Path, text: str) -> None:
     write_text_atomic(path, text.encode("utf-8", "replace").decode("utf-8"))
 
 
+def _bidi_marker(char: str) -> str:
+    """A bidi control as inert, escaped text: ``&lt;U+202E&gt;``."""
+    return f"&lt;U+{ord(char):04X}&gt;"
+
+
 def e(value: Any) -> str:
-    """HTML-escape anything (attribute-safe)."""
-    return html.escape("" if value is None else str(value), quote=True)
+    """HTML-escape anything (attribute-safe); bidi controls become a plain ``<U+202E>`` marker.
+
+    Plain text and no markup, so the result is safe inside an attribute or ``<title>`` too; :func:`e_text` adds the
+    highlight where the text is element content.
+    """
+    escaped = html.escape("" if value is None else str(value), quote=True)
+    return _BIDI_RE.sub(lambda m: _bidi_marker(m.group()), escaped)
+
+
+def e_text(value: Any) -> str:
+    """:func:`e` for element content: each bidi control marker is also highlighted, so it cannot pass for text.
+
+    The highlight is what tells a real control from a model that merely wrote the characters ``<U+202E>``.
+    """
+    escaped = html.escape("" if value is None else str(value), quote=True)
+    return _BIDI_RE.sub(lambda m: f"<span class='bidi' title='bidi control'>{_bidi_marker(m.group())}</span>", escaped)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -291,7 +328,7 @@ def render_frame(observation: Any, env: Any, legend: bool = True, image: str = "
     kind = _grid_kind(env)
     grid = parse_grid(text, GRID_ENVS[kind]) if kind else None
     if grid is None:
-        pre = f"<pre class='obs'>{e(text)}</pre>"
+        pre = f"<pre class='obs'>{e_text(text)}</pre>"
         return f"<div class='frame'><div>{image}</div><div>{pre}</div></div>" if image else pre
     palette = GRID_ENVS[kind]
     rows = []
@@ -302,7 +339,7 @@ def render_frame(observation: Any, env: Any, legend: bool = True, image: str = "
         rows.append(f"<tr>{cells}</tr>")
     table = f"<table class='grid'>{''.join(rows)}</table>"
     rest = "\n".join(line for line in text.splitlines() if line.strip() not in grid).strip()
-    extra = f"<details><summary>text</summary><pre class='obs'>{e(text)}</pre></details>" if rest else ""
+    extra = f"<details><summary>text</summary><pre class='obs'>{e_text(text)}</pre></details>" if rest else ""
     side = _grid_legend(kind) if legend else ""
     first = f"<div>{image}</div>" if image else ""
     return f"<div class='frame'>{first}<div>{table}</div><div class='legend'>{side}{extra}</div></div>"
@@ -317,7 +354,7 @@ def _image_html(frames: Frames | None, position: int, env: Any) -> str:
         # The URI is ours (base64 of our own PNG bytes); escaped anyway.
         return f"<img class='render' src='{e(uri)}' alt='{e(f'rendered {env} frame')}'>"
     if frames.note and frames.note_at == position:
-        return f"<p class='meta note'>No rendered frame: {e(frames.note)}</p>"
+        return f"<p class='meta note'>No rendered frame: {e_text(frames.note)}</p>"
     return ""
 
 
@@ -373,7 +410,7 @@ def render_tokens(traj: dict, scale: float) -> str:
             b = _bucket(adv, scale) if adv != 0 else 0
             cls = "z" if b == 0 else ("p" if adv > 0 else "n") + str(b)
             tip = f"#{i} advantage {adv:+.4f}"
-        spans.append(f"<span class='{cls}' title='{e(tip)}'>{e(token)}</span>")
+        spans.append(f"<span class='{cls}' title='{e(tip)}'>{e_text(token)}</span>")
     return f"<div class='tokens'>{''.join(spans)}</div>"
 
 
@@ -393,10 +430,13 @@ def _token_legend(scale: float) -> str:
 # ----------------------------------------------------------------------------- pages
 
 
+# How every page starts (up to the CSP, which may change between versions): what marks a file as one of ours.
+_PAGE_HEAD = "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><meta http-equiv='Content-Security-Policy'"
+
+
 def _page(title: str, body: str, nav: str = "") -> str:
     return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
+        f"{_PAGE_HEAD} content=\"{CSP}\">"
         "<meta name='referrer' content='no-referrer'>"
         "<meta name='viewport' content='width=device-width,initial-scale=1'>"
         f"<title>{e(title)}</title><style>{CSS}</style></head><body>"
@@ -420,7 +460,7 @@ def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int
         }
     )[:MAX_EXTRA_METRICS]
     keys += extra
-    head = "<th>step</th><th class='l'>trajectories</th>" + "".join(f"<th>{e(k)}</th>" for k in keys)
+    head = "<th>step</th><th class='l'>trajectories</th>" + "".join(f"<th>{e_text(k)}</th>" for k in keys)
     rows = []
     for step in steps:
         m = metrics.get(step, {})
@@ -435,13 +475,68 @@ def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int
     config_path = run_dir / "config.yaml"
     if config_path.is_file():
         text = config_path.read_text(encoding="utf-8", errors="replace")
-        config = f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{e(text)}</pre></details>"
-    body = f"<h1>Run {e(run_dir.resolve().name)}</h1><p class='meta'>{e(run_dir.resolve())}</p>{table}{config}"
+        config = f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{e_text(text)}</pre></details>"
+    body = (f"<h1>Run {e_text(run_dir.resolve().name)}</h1><p class='meta'>{e_text(run_dir.resolve())}</p>"
+            f"{table}{config}")
     return _page(f"ragen run {run_dir.resolve().name}", body)
 
 
 def _traj_name(index: int) -> str:
     return f"traj_{index:04d}.html"
+
+
+def _generated_number(name: str, pattern: re.Pattern, namer: Callable[[int], str]) -> int | None:
+    """The step or trajectory number in ``name`` if ``namer`` gives exactly that name back, else None.
+
+    The round trip keeps names this module would never write (``step_3.html``, ``step_0000003.html``) out of reach.
+    """
+    match = pattern.fullmatch(name)
+    if match is None:
+        return None
+    number = int(match.group(1))
+    return number if namer(number) == name else None
+
+
+def _is_our_page(path: Path) -> bool:
+    """A regular file (not a link) that starts as :func:`_page` starts every page.
+
+    ``--out`` may be any directory, so a name alone is not proof enough to delete a file.
+    """
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(_PAGE_HEAD)).decode("utf-8", "replace") == _PAGE_HEAD
+    except OSError:
+        return False
+
+
+def _remove_stale_pages(out: Path, counts: dict[int, int]) -> None:
+    """Remove the pages an earlier build wrote for steps or trajectories that ``counts`` (step -> trajectories) lacks.
+
+    After rollout files are pruned, or a run restarts with fewer steps, those pages would stay reachable (bookmarks,
+    an open tab, ``--serve``) and show steps the run no longer has. Only files with our names and our page head go;
+    a step folder is removed only once nothing else is left in it.
+    """
+    for entry in sorted(out.iterdir()):
+        if entry.is_symlink():
+            continue  # never follow a link out of ``out``
+        step = _generated_number(entry.name, _STEP_PAGE_RE, lambda n: f"{_step_name(n)}.html")
+        if step is not None and step not in counts and _is_our_page(entry):
+            entry.unlink()
+        step = _generated_number(entry.name, _STEP_DIR_RE, _step_name)
+        if step is not None and entry.is_dir():
+            _remove_stale_traj_pages(entry, counts.get(step, 0))
+            if step not in counts and not any(entry.iterdir()):
+                entry.rmdir()  # emptied by us, or left empty by an earlier build of a step with no trajectories
+
+
+def _remove_stale_traj_pages(folder: Path, count: int) -> None:
+    """Remove ``folder``'s trajectory pages numbered ``count`` and up (the step now has ``count`` trajectories)."""
+    for entry in sorted(folder.iterdir()):
+        index = _generated_number(entry.name, _TRAJ_PAGE_RE, _traj_name)
+        if index is not None and index >= count and _is_our_page(entry):
+            entry.unlink()
 
 
 def _succ(value: Any) -> str:
@@ -459,7 +554,7 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
     if next_step is not None:
         nav.append(f"<a href='{_step_name(next_step)}.html'>step {next_step} &rsaquo;</a>")
     summary = " &middot; ".join(
-        f"<b>{e(k)}</b> {fmt(v)}" for k, v in metrics.items() if k != "step" and not isinstance(v, (dict, list))
+        f"<b>{e_text(k)}</b> {fmt(v)}" for k, v in metrics.items() if k != "step" and not isinstance(v, (dict, list))
     )
     rows = []
     for i, traj in enumerate(trajectories):
@@ -471,16 +566,16 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
         shown = f"{env} ({traj['tag']})" if traj.get("tag") and traj.get("tag") != env else env
         rows.append(
             f"<tr class='{cls}'><td><a href='{_step_name(step)}/{_traj_name(i)}'>#{i}</a></td>"
-            f"<td class='l'>{e(shown)}</td><td>{fmt(traj.get('group_id'))}</td>"
+            f"<td class='l'>{e_text(shown)}</td><td>{fmt(traj.get('group_id'))}</td>"
             f"<td>{fmt(traj.get('seed'))}</td><td>{'&ndash;' if errored else fmt(traj.get('reward'))}</td>"
             f"<td class='succ'>{'env error' if errored else _succ(success)}</td><td>{len(turns)}</td>"
-            f"<td class='l'>{e(traj.get('error') or '')}</td></tr>"
+            f"<td class='l'>{e_text(traj.get('error') or '')}</td></tr>"
         )
     table = (
         "<table class='data'><tr><th>#</th><th class='l'>env</th><th>group</th><th>seed</th><th>reward</th>"
         "<th>success</th><th>turns</th><th class='l'>error</th></tr>" + "".join(rows) + "</table>"
     )
-    body = f"<h1>{e(run_name)} &mdash; step {step}</h1><p class='meta'>{summary}</p>{table}"
+    body = f"<h1>{e_text(run_name)} &mdash; step {step}</h1><p class='meta'>{summary}</p>{table}"
     return _page(f"{run_name} step {step}", body, " ".join(nav))
 
 
@@ -498,20 +593,20 @@ def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, sca
         nav.append(f"<a href='{_traj_name(index + 1)}'>#{index + 1} &rsaquo;</a>")
     success = traj.get("success")
     meta = (
-        f"<b>env</b> {e(env)} &middot; <b>group</b> {fmt(traj.get('group_id'))} &middot; "
+        f"<b>env</b> {e_text(env)} &middot; <b>group</b> {fmt(traj.get('group_id'))} &middot; "
         f"<b>seed</b> {fmt(traj.get('seed'))} &middot; <b>reward</b> {fmt(traj.get('reward'))} &middot; "
         f"<b>success</b> <span class='{'good' if success is True else 'bad'}'>{_succ(success)}</span>"
     )
     if traj.get("tag") and traj.get("tag") != env:
-        meta = f"<b>tag</b> {e(traj.get('tag'))} &middot; " + meta
+        meta = f"<b>tag</b> {e_text(traj.get('tag'))} &middot; " + meta
     if traj.get("error"):
-        meta += f" &middot; <b>error</b> <span class='bad'>{e(traj.get('error'))}</span>"
+        meta += f" &middot; <b>error</b> <span class='bad'>{e_text(traj.get('error'))}</span>"
     if traj.get("context_full"):
-        meta += f" &middot; <b>ended at the model's context</b> {e(traj.get('context_full'))}"
+        meta += f" &middot; <b>ended at the model's context</b> {e_text(traj.get('context_full'))}"
     if traj.get("in_update") is False:
         meta += (" &middot; <b>left out of the update</b> (dropped by the uncertainty filter, an env error, no token "
                  "written, or the step's update skipped): its tokens are greyed")
-    parts = [f"<h1>{e(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
+    parts = [f"<h1>{e_text(run_name)} &mdash; step {step} &mdash; trajectory #{index}</h1><p class='meta'>{meta}</p>"]
     initial_image = _image_html(frames, 0, env)
     parts.append("<h2>Initial observation</h2>" + render_frame(traj.get("initial_observation", ""), env, image=initial_image))
     turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
@@ -530,9 +625,9 @@ def _turn_html(t: int, turn: dict, env: Any, image: str = "") -> str:
     think, answer = split_response(response)
     actions = turn.get("actions")
     if isinstance(actions, list):
-        actions_html = ", ".join(f"<code>{e(a)}</code>" for a in actions) or "<span class='bad'>none</span>"
+        actions_html = ", ".join(f"<code>{e_text(a)}</code>" for a in actions) or "<span class='bad'>none</span>"
     else:
-        actions_html = f"<code>{e(actions)}</code>" if actions else "<span class='bad'>none</span>"
+        actions_html = f"<code>{e_text(actions)}</code>" if actions else "<span class='bad'>none</span>"
     valid = turn.get("format_valid")
     valid_html = "<span class='good'>valid</span>" if valid is True else (
         "<span class='bad'>invalid</span>" if valid is False else fmt(valid)
@@ -544,14 +639,14 @@ def _turn_html(t: int, turn: dict, env: Any, image: str = "") -> str:
     )
     body = []
     if think is not None:
-        body.append(f"<h3>think</h3><pre class='think'>{e(think)}</pre>")
+        body.append(f"<h3>think</h3><pre class='think'>{e_text(think)}</pre>")
     if answer is not None:
-        body.append(f"<h3>answer</h3><pre class='answer'>{e(answer)}</pre>")
+        body.append(f"<h3>answer</h3><pre class='answer'>{e_text(answer)}</pre>")
     raw = response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)
     if think is None and answer is None:
-        body.append(f"<h3>response (no think/answer tags)</h3><pre>{e(raw)}</pre>")
+        body.append(f"<h3>response (no think/answer tags)</h3><pre>{e_text(raw)}</pre>")
     else:
-        body.append(f"<details><summary>raw response</summary><pre>{e(raw)}</pre></details>")
+        body.append(f"<details><summary>raw response</summary><pre>{e_text(raw)}</pre></details>")
     if "observation" in turn:
         body.append(
             "<h3>observation after this turn</h3>" + render_frame(turn.get("observation", ""), env, legend=False, image=image)
@@ -604,6 +699,7 @@ def build_site(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = N
             _write_page(folder / _traj_name(i), html_text)
     index = out / "index.html"
     _write_page(index, _index_page(run, metrics, counts))
+    _remove_stale_pages(out, counts)
     return index
 
 
