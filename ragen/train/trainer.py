@@ -639,7 +639,10 @@ class StarPOTrainer:
                     "loss_mask": traj.loss_mask,
                     # advantage of token p sits at target p - 1
                     "advantages": [0.0] + (adv[: n - 1].tolist() if adv is not None else [0.0] * (n - 1)),
+                    "turn_spans": [list(span) for span in traj.turn_spans],
                 }
+                if traj.window_prompts:  # context_mode=window: what each turn really saw (the viewer shows them)
+                    record["window_prompts"] = [[self.tokenizer.decode([i]) for i in p] for p in traj.window_prompts]
                 f.write(strict_dumps(record) + "\n")
         return path
 

@@ -45,16 +45,24 @@ from ragen.viz.frames import Frames, read_run_config, replay_frames
 
 __all__ = ["build_site", "serve", "split_response", "parse_grid", "read_jsonl"]
 
-# Metrics shown on the index page, in this order, when present; other numeric keys follow.
+# Metrics shown on the index page first, in this order, when logged: what tells how a run goes (validation, then
+# training success and reward, answer format, entropy, grad norm, the KL terms), then length and step time.
 INDEX_METRICS = (
-    "train/success",
     "val/success",
+    "val/reward_mean",
+    "train/success",
     "train/reward_mean",
+    "train/format_valid",
     "actor/entropy",
     "actor/grad_norm",
+    "actor/kl_loss",
+    "actor/kl_in_reward",
+    "actor/approx_kl",
     "train/response_length",
     "time/step_s",
 )
+# Up to this many other numeric metrics follow on the index (run-wide ones before per-tag ones such as
+# ``train/sokoban/success``, then by name); every metric of a step is in its row's "all metrics" cell.
 MAX_EXTRA_METRICS = 8
 
 # Grid envs: symbol -> (css class, legend label). Class names are fixed here, never from data.
@@ -120,6 +128,7 @@ p.note{color:#8a5a00;font-style:italic}
 .tokens span{border-radius:2px;box-shadow:inset -1px 0 rgba(0,0,0,.13)}
 .tokens span.m{color:#9a9a9a;background:#f1f1f1}
 .tokens span.z{background:#fff;outline:1px dotted #c8c8c8}
+div.allm{min-width:24em;max-width:48em;white-space:normal}div.allm p{margin:.2em 0}
 """ + "".join(
     # Advantage buckets: p1..p8 green (positive), n1..n8 red (negative), stronger = larger |A|.
     f".tokens span.p{i},.legend span.p{i}{{background:rgba(34,160,70,{0.12 + 0.11 * (i - 1):.2f})}}"
@@ -388,30 +397,136 @@ def _adv_scale(trajectories: Iterable[dict]) -> float:
     return scale
 
 
-def render_tokens(traj: dict, scale: float) -> str:
-    """Every token as a span: greyed if masked, else coloured by its advantage, with a tooltip."""
-    tokens = traj.get("tokens")
-    if not isinstance(tokens, list) or not tokens:
-        return "<p class='meta'>No tokens recorded.</p>"
+def _token_html(i: int, token: Any, mask: list, advs: list, left_out: bool, scale: float) -> str:
+    """Token ``i`` of the episode as a span: greyed if masked, else coloured by its advantage, with a tooltip."""
+    trained = bool(mask[i]) if i < len(mask) else False
+    adv = _as_float(advs[i]) if i < len(advs) else None
+    if trained and left_out:
+        cls, tip = "m", f"#{i} written by the model; this episode was left out of the update"
+    elif not trained:
+        cls, tip = "m", f"#{i} not trained (prompt/env)"
+    elif adv is None or not math.isfinite(adv):  # the log writes NaN and inf as null
+        cls, tip = "unk", f"#{i} trained, advantage not a number ({advs[i] if i < len(advs) else None!r})"
+    else:
+        b = _bucket(adv, scale) if adv != 0 else 0
+        cls = "z" if b == 0 else ("p" if adv > 0 else "n") + str(b)
+        tip = f"#{i} advantage {adv:+.4f}"
+    return f"<span class='{cls}' title='{e(tip)}'>{e_text(token)}</span>"
+
+
+def _token_lists(traj: dict) -> tuple[list, list, list, bool]:
+    """``(tokens, loss_mask, advantages, left_out)`` of a record, each list ``[]`` when missing or malformed."""
+    tokens = traj.get("tokens") if isinstance(traj.get("tokens"), list) else []
     mask = traj.get("loss_mask") if isinstance(traj.get("loss_mask"), list) else []
     advs = traj.get("advantages") if isinstance(traj.get("advantages"), list) else []
-    left_out = traj.get("in_update") is False  # filtered out (uncertainty filter) or ended with an env error
-    spans = []
-    for i, token in enumerate(tokens):
-        trained = bool(mask[i]) if i < len(mask) else False
-        adv = _as_float(advs[i]) if i < len(advs) else None
-        if trained and left_out:
-            cls, tip = "m", f"#{i} written by the model; this episode was left out of the update"
-        elif not trained:
-            cls, tip = "m", f"#{i} not trained (prompt/env)"
-        elif adv is None or not math.isfinite(adv):  # the log writes NaN and inf as null
-            cls, tip = "unk", f"#{i} trained, advantage not a number ({advs[i] if i < len(advs) else None!r})"
-        else:
-            b = _bucket(adv, scale) if adv != 0 else 0
-            cls = "z" if b == 0 else ("p" if adv > 0 else "n") + str(b)
-            tip = f"#{i} advantage {adv:+.4f}"
-        spans.append(f"<span class='{cls}' title='{e(tip)}'>{e_text(token)}</span>")
+    return tokens, mask, advs, traj.get("in_update") is False  # filtered out or ended with an env error
+
+
+def render_tokens(traj: dict, scale: float) -> str:
+    """Every token as a span: greyed if masked, else coloured by its advantage, with a tooltip."""
+    tokens, mask, advs, left_out = _token_lists(traj)
+    if not tokens:
+        return "<p class='meta'>No tokens recorded.</p>"
+    spans = [_token_html(i, token, mask, advs, left_out, scale) for i, token in enumerate(tokens)]
     return f"<div class='tokens'>{''.join(spans)}</div>"
+
+
+def _window_setting(traj: dict, run_config: dict | None) -> tuple[bool, Any]:
+    """``(windowed, max_context_window)``: whether the episode was played with ``agent.context_mode=window``.
+
+    The mode is run-wide (``config.yaml``); a record that carries ``window_prompts`` was windowed whatever the config.
+    """
+    agent = run_config.get("agent") if isinstance(run_config, dict) else None
+    agent = agent if isinstance(agent, dict) else {}
+    prompts = traj.get("window_prompts")
+    windowed = agent.get("context_mode") == "window" or (isinstance(prompts, list) and bool(prompts))
+    return windowed, agent.get("max_context_window")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _turn_token_spans(traj: dict, n_tokens: int, n_turns: int) -> list[tuple[int, int]] | None:
+    """Where each turn's sampled tokens sit in ``tokens``: the record's ``turn_spans`` when it has valid ones, else
+    the runs of ``loss_mask = 1`` when there is exactly one per turn; None when neither says."""
+    spans = traj.get("turn_spans")
+    if isinstance(spans, list) and spans and all(
+        isinstance(x, list) and len(x) == 2 and _is_index(x[0]) and _is_index(x[1]) and 0 <= x[0] <= x[1] <= n_tokens
+        for x in spans
+    ):
+        return [(x[0], x[1]) for x in spans]
+    _, mask, _, _ = _token_lists(traj)
+    runs: list[tuple[int, int]] = []
+    for i in range(min(len(mask), n_tokens)):
+        if mask[i] and (i == 0 or not mask[i - 1]):
+            runs.append((i, i + 1))
+        elif mask[i]:
+            runs[-1] = (runs[-1][0], i + 1)
+    return runs if runs and len(runs) == n_turns else None
+
+
+def _window_rows(traj: dict, scale: float, n_turns: int) -> str:
+    """Each turn's training row in ``window`` mode, in a <details>: its window prompt (what the model saw, grey) and
+    the tokens it sampled (coloured by advantage); "" when the record has no window prompts."""
+    prompts = traj.get("window_prompts")
+    if not isinstance(prompts, list) or not prompts:
+        return ""
+    tokens, mask, advs, left_out = _token_lists(traj)
+    spans = _turn_token_spans(traj, len(tokens), n_turns)
+    out = []
+    for k, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            size = f"{len(prompt)} tokens"
+            seen = "".join(
+                f"<span class='m' title='{e(f'turn {k + 1} window prompt #{j}: what the model saw, not trained')}'>"
+                f"{e_text(piece)}</span>"
+                for j, piece in enumerate(prompt)
+            )
+        elif isinstance(prompt, str):
+            size = f"{len(prompt)} characters"
+            seen = f"<span class='m' title='turn {k + 1} window prompt'>{e_text(prompt)}</span>"
+        else:
+            out.append(f"<p class='meta'>Turn {k + 1}: window prompt not recorded.</p>")
+            continue
+        if spans is not None and k < len(spans):
+            start, end = spans[k]
+            answer = "".join(_token_html(i, tokens[i], mask, advs, left_out, scale) for i in range(start, end))
+            what = f"window prompt ({size}) + the {end - start} tokens the model sampled: the row trained for this turn"
+        else:
+            answer = ""
+            what = f"window prompt ({size}); where its answer sits in the episode is not recorded"
+        out.append(f"<details><summary>Turn {k + 1}: {e(what)}</summary>"
+                   f"<div class='tokens'>{seen}{answer}</div></details>")
+    return "".join(out)
+
+
+def _tokens_section(traj: dict, scale: float, run_config: dict | None, n_turns: int) -> str:
+    """The page's Tokens section; in ``window`` mode it says what the model saw and shows each turn's window."""
+    legend = _token_legend(scale)
+    windowed, window = _window_setting(traj, run_config)
+    if not windowed:
+        return "<h2>Tokens</h2>" + legend + render_tokens(traj, scale)
+    size = f" (<code>agent.max_context_window={e_text(window)}</code>)" if window is not None else ""
+    last = (f"at most the last {e_text(window)} turn{'' if window == 1 else 's'}" if window is not None
+            else "only the last turns")
+    note = (
+        f"<p class='note'>This run used <code>agent.context_mode=window</code>{size}: the model answered each turn "
+        f"from that turn's own window prompt (the system prompt, the env's rules and answer format, {last}, "
+        "a past answer as its chat text, and the current observation), and each turn was trained as its own "
+        "row: its window prompt + the tokens it sampled (docs/context_modes.md). The whole-episode sequence further "
+        "down is the full history the log records: its coloured tokens are the model's own, with the advantages they "
+        "were trained with, but after the first turn its grey context is <b>not</b> what the model saw.</p>"
+    )
+    rows = _window_rows(traj, scale, n_turns)
+    if rows:
+        rows = "<h3>What the model saw and was trained on, turn by turn</h3>" + rows
+    else:
+        rows = ("<p class='meta'>This rollout log does not record the turns' window prompts (no "
+                "<code>window_prompts</code> in the record), so what the model saw for each turn cannot be shown "
+                "here.</p>")
+    return ("<h2>Tokens</h2>" + note + legend + rows
+            + "<h3>Whole episode (the full history: not a sequence the model saw)</h3>" + render_tokens(traj, scale))
 
 
 def _token_legend(scale: float) -> str:
@@ -448,19 +563,48 @@ def _step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def _metric_order(key: str) -> tuple:
+    """Sort key: :data:`INDEX_METRICS` in their order, then run-wide metrics before per-tag ones, then by name."""
+    if key in INDEX_METRICS:
+        return (0, INDEX_METRICS.index(key), 0, "")
+    return (1, 0, key.count("/"), key)
+
+
+def _metric_keys(metrics: dict) -> list[str]:
+    """A step's metric keys that have a value to show (not ``step``, not a nested object), in display order."""
+    return sorted((k for k, v in metrics.items() if k != "step" and not isinstance(v, (dict, list))), key=_metric_order)
+
+
+def _all_metrics(metrics: dict) -> str:
+    """Every metric of a step as ``name value`` text (escaped); "" when it has none."""
+    keys = _metric_keys(metrics)
+    if not keys:
+        return ""
+    return "<p class='meta'>" + " &middot; ".join(f"<b>{e_text(k)}</b> {fmt(metrics[k])}" for k in keys) + "</p>"
+
+
+def _index_keys(metrics: dict[int, dict]) -> tuple[list[str], list[str]]:
+    """``(shown, not_shown)``: the index table's metric columns, and every other logged metric key.
+
+    The columns are :data:`INDEX_METRICS` that were logged, in that order, then up to :data:`MAX_EXTRA_METRICS` other
+    numeric metrics (run-wide before per-tag, then by name). Every metric, shown or not, is in each row's "all metrics"
+    cell and on the step's page.
+    """
+    logged = {k for m in metrics.values() for k in _metric_keys(m)}
+    preferred = [k for k in INDEX_METRICS if k in logged]
+    numeric = {
+        k for m in metrics.values() for k, v in m.items()
+        if k in logged and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    shown = preferred + sorted(numeric - set(preferred), key=_metric_order)[:MAX_EXTRA_METRICS]
+    return shown, sorted(logged - set(shown), key=_metric_order)
+
+
 def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int]) -> str:
     steps = sorted(set(metrics) | set(rollouts))
-    keys = [k for k in INDEX_METRICS if any(k in m for m in metrics.values())]
-    extra = sorted(
-        {
-            k
-            for m in metrics.values()
-            for k, v in m.items()
-            if k not in keys and k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-    )[:MAX_EXTRA_METRICS]
-    keys += extra
-    head = "<th>step</th><th class='l'>trajectories</th>" + "".join(f"<th>{e_text(k)}</th>" for k in keys)
+    keys, not_shown = _index_keys(metrics)
+    head = ("<th>step</th><th class='l'>trajectories</th><th class='l'>all metrics</th>"
+            + "".join(f"<th>{e_text(k)}</th>" for k in keys))
     rows = []
     for step in steps:
         m = metrics.get(step, {})
@@ -469,8 +613,20 @@ def _index_page(run_dir: Path, metrics: dict[int, dict], rollouts: dict[int, int
             link = f"<a href='{_step_name(step)}.html'>{rollouts[step]} trajectories</a>"
         else:
             link = "<span class='meta'>none saved</span>"
-        rows.append(f"<tr><td>{step}</td><td class='l'>{link}</td>{cells}</tr>")
+        listed = _all_metrics(m)
+        every = (f"<details><summary>{len(_metric_keys(m))}</summary><div class='allm'>{listed}</div></details>"
+                 if listed else "")
+        rows.append(f"<tr><td>{step}</td><td class='l'>{link}</td><td class='l'>{every}</td>{cells}</tr>")
     table = f"<table class='data'><tr>{head}</tr>{''.join(rows)}</table>" if rows else "<p>No steps logged yet.</p>"
+    if not_shown:
+        names = ", ".join(e_text(k) for k in not_shown)
+        table = (
+            f"<p class='meta'>The table shows {len(keys)} of the {len(keys) + len(not_shown)} logged metrics; "
+            f"<b>{len(not_shown)} more metrics</b> are in each row's <i>all metrics</i> cell (open it), and on the "
+            "step's page when its trajectories were saved.</p>"
+            f"<details class='meta'><summary>the {len(not_shown)} metrics not in the table</summary>{names}</details>"
+            f"{table}"
+        )
     config = ""
     config_path = run_dir / "config.yaml"
     if config_path.is_file():
@@ -553,9 +709,8 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
         nav.append(f"<a href='{_step_name(prev_step)}.html'>&lsaquo; step {prev_step}</a>")
     if next_step is not None:
         nav.append(f"<a href='{_step_name(next_step)}.html'>step {next_step} &rsaquo;</a>")
-    summary = " &middot; ".join(
-        f"<b>{e_text(k)}</b> {fmt(v)}" for k, v in metrics.items() if k != "step" and not isinstance(v, (dict, list))
-    )
+    summary = _all_metrics(metrics)
+    summary = f"<h2>Metrics ({len(_metric_keys(metrics))})</h2>{summary}" if summary else ""
     rows = []
     for i, traj in enumerate(trajectories):
         turns = traj.get("turns") if isinstance(traj.get("turns"), list) else []
@@ -575,7 +730,7 @@ def _step_page(run_name: str, step: int, metrics: dict, trajectories: list[dict]
         "<table class='data'><tr><th>#</th><th class='l'>env</th><th>group</th><th>seed</th><th>reward</th>"
         "<th>success</th><th>turns</th><th class='l'>error</th></tr>" + "".join(rows) + "</table>"
     )
-    body = f"<h1>{e_text(run_name)} &mdash; step {step}</h1><p class='meta'>{summary}</p>{table}"
+    body = f"<h1>{e_text(run_name)} &mdash; step {step}</h1>{summary}<h2>Trajectories ({len(rows)})</h2>{table}"
     return _page(f"{run_name} step {step}", body, " ".join(nav))
 
 
@@ -616,7 +771,7 @@ def _traj_page(run_name: str, step: int, index: int, count: int, traj: dict, sca
         parts.append(_turn_html(t, turn, env, _image_html(frames, t + 1, env)))
     if not turns:
         parts.append("<p class='meta'>No turns recorded.</p>")
-    parts.append("<h2>Tokens</h2>" + _token_legend(scale) + render_tokens(traj, scale))
+    parts.append(_tokens_section(traj, scale, run_config, len(turns)))
     return _page(f"{run_name} step {step} #{index}", "".join(parts), " ".join(nav))
 
 

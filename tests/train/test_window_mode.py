@@ -60,3 +60,23 @@ def test_window_rows_carry_their_episodes_advantages(tmp_path):
         s, end = traj.turn_spans[k]
         want[(tuple(traj.window_prompts[k] + traj.input_ids[s:end]), (round(float(expected[e]), 4),) * (end - s))] += 1
     assert got == want
+
+
+def test_the_rollout_log_records_each_turns_window_for_the_viewer(tmp_path):
+    # the viewer showed the whole-episode ids as the context of every turn: the log lacked what each turn saw
+    assert main(["train", "sokoban", f"trainer.output_dir={tmp_path}", "trainer.total_steps=1", "trainer.log_rollouts_freq=1",
+                 "trainer.log_rollouts_n=4", *WINDOW]) == 0
+    records = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert records and any(len(r["turns"]) >= 3 for r in records)
+    for record in records:
+        prompts, spans, tokens = record["window_prompts"], record["turn_spans"], record["tokens"]
+        assert len(prompts) == len(spans) == len(record["turns"])
+        assert prompts[0] == tokens[: spans[0][0]]  # turn 1's window is the episode's own prompt
+        for k, (start, end) in enumerate(spans):
+            assert record["loss_mask"][start:end] == [1] * (end - start)  # a span is the turn's model-written ids
+            if k >= 2:  # a window of 1 turn: shorter than the whole history before the turn
+                assert len(prompts[k]) < start
+    from ragen.viz.viewer import build_site
+
+    page = (build_site(tmp_path).parent / "step_000001" / "traj_0000.html").read_text()
+    assert "does not record the turns' window prompts" not in page  # the viewer has them to show
