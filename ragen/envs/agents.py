@@ -120,7 +120,12 @@ class RandomAgent(Agent):
         self.rng = np.random.default_rng(self.seed)
 
     def begin_episode(self, env: Any, seed: int | None, budget: Budget | None = None) -> None:
-        entropy = [self.seed] if seed is None else [self.seed, int(seed) & 0xFFFFFFFF]
+        # The whole seed, not its low 32 bits (seeds 2**32 apart used to replay the same draws on different
+        # episodes); numpy splits a big int into 32-bit words, so seeds below 2**32 keep their old draws.
+        if seed is not None and int(seed) < 0:
+            raise ValueError(f"RandomAgent: the episode seed must be an int >= 0 (gymnasium's reset requires it), "
+                             f"got {seed!r}")
+        entropy = [self.seed] if seed is None else [self.seed, int(seed)]
         self.rng = np.random.default_rng(entropy)
 
     def act(self, env: Any) -> list[str]:

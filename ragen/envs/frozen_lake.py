@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,13 @@ TILES = {
 
 #: Maps :func:`random_map` draws before giving up (each try is one board and one path search).
 MAP_TRIES = 10_000
+#: The largest ``size``. The env alone would go further, but a 32x32 map is already a 1055-character observation,
+#: and the expert's value iteration (:class:`LakeSolver`) needs more sweeps over more cells as maps grow. Measured
+#: on 2 CPU cores at 32x32: ``reset`` under 0.1 s (0.7 s to give up at ``p=0.05``); the expert's first answer
+#: 0.2 s on deterministic ice, up to 2.7 s on slippery ice with ``success_rate`` 0.1..1/3, 12-17 s at 0.9 (its
+#: value iteration then stops at the 100_000-sweep cap). A bigger value is far more likely a typo than a wish:
+#: ``size=10**6`` made ``reset`` try to allocate a 7 TiB board, and 2000 had not finished after 30 s.
+MAX_SIZE = 32
 
 
 def random_map(size: int, p: float, seed: int) -> list[str]:
@@ -109,7 +117,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     probability of the move taken).
 
     ## Arguments
-    ``size`` (>= 2), ``p`` (frozen probability of a generated cell, in (0, 1]),
+    ``size`` (2..32, :data:`MAX_SIZE`), ``p`` (frozen probability of a generated cell, in (0, 1]),
     ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``, ``own_slip_draw`` (False: a group's
     envs share the slips, as they share the seed).
 
@@ -133,8 +141,8 @@ class FrozenLakeEnv(TiledRender, TextEnv):
         own_slip_draw: bool = False
 
         def validate(self) -> None:
-            if self.size < 2:
-                raise ValueError(f"frozen_lake: size must be >= 2, got {self.size}")
+            if not 2 <= self.size <= MAX_SIZE:
+                raise ValueError(f"frozen_lake: size must be in 2..{MAX_SIZE}, got {self.size}")
             if not 0.0 < self.p <= 1.0:
                 raise ValueError(f"frozen_lake: p (frozen probability) must be in (0, 1], got {self.p}")
             if not 0.0 < self.success_rate <= 1.0:
@@ -274,18 +282,28 @@ def _transitions(env: Any) -> Any:
 TIE = 1e-12
 #: On slippery ice a turn's plan is searched over all open-loop sequences of up to this many moves (4^k of them).
 MAX_OPEN_LOOP = 4
+#: Most outcomes of one move: the intended direction and, on slippery ice, the two perpendicular ones.
+MAX_OUTCOMES = 3
 
 
 @dataclass(frozen=True)
 class LakeModel:
-    """gymnasium's transition table ``P`` of one map as arrays (gym action ids 0..3).
+    """gymnasium's transition table ``P`` of one map as sparse arrays (gym action ids 0..3).
 
-    ``trans[a, s, s2]`` is the probability of moving from ``s`` to the non-terminal ``s2``
-    with action ``a``; ``goal_prob[a, s]`` that of landing on the goal (a hole is lost
-    mass). Rows of terminal states (holes, goal) are zero: nothing happens after them.
+    A move has at most :data:`MAX_OUTCOMES` outcomes, so the table is kept as
+    ``succ[k, a, s]`` / ``prob[k, a, s]``: the ``k``-th non-terminal cell that action ``a``
+    can move ``s`` to, and its probability (outcomes into the same cell summed, sorted by
+    cell, padded with cell 0 at probability 0; ``k`` first, so a backup is three whole-array
+    multiply-adds). A dense ``(4, n, n)`` table takes ``32 n^2`` bytes (537 MB on a 64x64
+    map) and ``4 n^2`` multiplications per backup, which made the expert take ~20 s on a
+    slippery 24x24 map; this takes ``O(n)`` of both. ``goal_prob[a, s]`` is the probability
+    of landing on the goal (a hole is lost mass). Terminal states (holes, goal) have no
+    outcomes: nothing happens after them. :attr:`trans` is the dense table, built on demand
+    (for inspecting small maps).
     """
 
-    trans: np.ndarray
+    succ: np.ndarray
+    prob: np.ndarray
     goal_prob: np.ndarray
     goal: np.ndarray
     terminal: np.ndarray
@@ -299,11 +317,13 @@ class LakeModel:
         flat = lake.desc.ravel()
         n = len(flat)
         goal, terminal = flat == b"G", np.isin(flat, (b"G", b"H"))
-        trans, goal_prob = np.zeros((4, n, n)), np.zeros((4, n))
+        succ, prob = np.zeros((MAX_OUTCOMES, 4, n), dtype=np.intp), np.zeros((MAX_OUTCOMES, 4, n))
+        goal_prob = np.zeros((4, n))
         deterministic = True
         for s in np.flatnonzero(~terminal):
             for a in range(4):
-                outcomes: dict[int, float] = {}
+                outcomes: dict[int, float] = {}  # every cell reached (holes and goal too)
+                live: dict[int, float] = {}  # the non-terminal ones
                 for p, s2, _, done in lake.P[int(s)][a]:
                     if p <= 0:
                         continue
@@ -311,14 +331,58 @@ class LakeModel:
                     if goal[s2]:
                         goal_prob[a, s] += p
                     elif not done:
-                        trans[a, s, s2] += p
+                        live[int(s2)] = live.get(int(s2), 0.0) + p
+                for k, s2 in enumerate(sorted(live)):
+                    succ[k, a, s], prob[k, a, s] = s2, live[s2]
                 deterministic &= len(outcomes) == 1
         start = int(np.flatnonzero(flat == b"S")[0])
-        return cls(trans, goal_prob, goal, terminal, start, bool(deterministic))
+        return cls(succ, prob, goal_prob, goal, terminal, start, bool(deterministic))
+
+    @cached_property
+    def trans(self) -> np.ndarray:
+        """The dense table ``trans[a, s, s2]``: the probability of moving from ``s`` to the non-terminal
+        ``s2`` with action ``a`` (``O(n^2)`` memory: for inspecting small maps; the solvers use ``succ``/``prob``)."""
+        n = len(self.goal)
+        dense = np.zeros((4, n, n))
+        a, s = np.indices((4, n))
+        for succ, prob in zip(self.succ, self.prob):
+            dense[a, s, succ] += prob
+        return dense
+
+    def expect(self, values: np.ndarray) -> np.ndarray:
+        """``out[a, ..., s] = sum_s2 trans[a, s, s2] values[..., s2]`` for ``values`` of shape ``(..., n)``."""
+        rows = values.reshape(-1, values.shape[-1])  # (R, n): gathering with [:, cells] is ~2x faster than [..., cells]
+        total = rows[:, self.succ[0]] * self.prob[0]  # (R, 4, n)
+        for succ, prob in zip(self.succ[1:], self.prob[1:]):
+            total += rows[:, succ] * prob
+        return np.moveaxis(total, 1, 0).reshape(4, *values.shape)
 
     def backup(self, values: np.ndarray) -> np.ndarray:
-        """``q[a, s] = sum_s2 P(s2 | s, a) V(s2)`` for a value vector with ``V(G) = 1`` and ``V(hole) = 0``."""
-        return self.goal_prob + self.trans @ np.where(self.terminal, 0.0, values)
+        """``q[a, ..., s] = sum_s2 P(s2 | s, a) V(s2)`` for value vectors (shape ``(..., n)``) with ``V(G) = 1`` and
+        ``V(hole) = 0``: ``(4, n)`` for one vector, ``(4, R, n)`` for ``R`` of them."""
+        goal_prob = self.goal_prob.reshape(4, *(1,) * (values.ndim - 1), -1)
+        return goal_prob + self.expect(np.where(self.terminal, 0.0, values))
+
+    def outcomes(self, action: int, state: int) -> np.ndarray:
+        """The non-terminal cells ``action`` (a gym id) can move ``state`` to, in increasing order."""
+        return self.succ[:, action, state][self.prob[:, action, state] > 0]
+
+    def likeliest(self, action: int, state: int) -> tuple[float, int]:
+        """``(probability, cell)`` of the likeliest non-terminal outcome of ``action`` in ``state`` (the lowest
+        cell among equals, as ``trans[action, state].argmax()``; ``(0.0, 0)`` when every outcome is terminal)."""
+        k = int(self.prob[:, action, state].argmax())
+        p = float(self.prob[k, action, state])
+        return p, int(self.succ[k, action, state]) if p > 0 else 0
+
+
+def _first_best(q: np.ndarray) -> np.ndarray:
+    """Per state (column), the first action whose value is within :data:`TIE` of the best.
+
+    Not ``q.argmax(axis=0)``: actions that tie exactly (mirror-image moves on a symmetric map) come out a
+    rounding error apart, in whichever direction the summation order of the backup happens to give, so a
+    plain argmax picked between them by float noise. This picks the first, as exact arithmetic would.
+    """
+    return np.argmax(q >= q.max(axis=0) - TIE, axis=0)
 
 
 def _value_iteration(model: LakeModel, tol: float = 1e-12, max_iters: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
@@ -340,23 +404,35 @@ def _value_iteration(model: LakeModel, tol: float = 1e-12, max_iters: int = 100_
         values = new
         if delta < tol:
             break
-    policy = q.argmax(axis=0)
-    ranked = model.goal.copy()
+    policy = _first_best(q)
+    _rank_towards_goal(model, q, values, policy)
+    return values, policy
+
+
+def _rank_towards_goal(model: LakeModel, q: np.ndarray, values: np.ndarray, policy: np.ndarray) -> None:
+    """Give every state that can reach the goal an optimal action with a chance of reaching an already ranked
+    state (the goal first), in place: passes over the states in index order until none changes.
+
+    A state ranked early in a pass already counts for the states after it in the same pass. The checks are
+    plain Python over precomputed lists: scanning a dense row of ``n`` cells per check took ~1 s at 24x24.
+    """
+    n_states = len(model.goal)
+    ranked = model.goal.tolist()
+    keeps = (q >= values - 1e-9).T.tolist()  # keeps[s][a]: action a keeps s's success probability
+    to_goal = (model.goal_prob > 0).T.tolist()
+    nexts = [[model.outcomes(a, s).tolist() for a in range(4)] for s in range(n_states)]
     todo = [s for s in range(n_states) if not model.terminal[s] and values[s] > 1e-9]
     changed = True
     while changed:
         changed = False
         for s in todo:
-            if ranked[s]:
-                continue
             for a in range(4):
-                reaches = model.goal_prob[a, s] > 0 or bool((model.trans[a, s] > 0)[ranked].any())
-                if q[a, s] >= values[s] - 1e-9 and reaches:
+                if keeps[s][a] and (to_goal[s][a] or any(ranked[s2] for s2 in nexts[s][a])):
                     policy[s] = a
                     ranked[s] = True
                     changed = True
                     break
-    return values, policy
+        todo = [s for s in todo if not ranked[s]]
 
 
 class LakeSolver:
@@ -373,7 +449,8 @@ class LakeSolver:
     that any policy achieves (which may depend on the moves left, unlike the infinite-horizon
     policy: with a few moves left it takes risks the unlimited policy never takes). Ties
     keep the infinite-horizon action, so with zero chance left the policy still heads
-    safely for the goal, and with many moves left it coincides with :func:`solve`'s.
+    safely for the goal, and with many moves left it coincides with :func:`solve`'s; other
+    ties go to the first tied action in gym order (Left, Down, Right, Up; :func:`_first_best`).
 
     *Turns of several moves* (slippery ice, the agent sees the state only at the start of
     each turn and answers up to ``m`` moves at once): the best value with ``j`` turns and
@@ -395,7 +472,7 @@ class LakeSolver:
         self._values = [v0]  # _values[k] = V_k
         self._actions = [policy.copy()]  # _actions[k][s] = pi_k(s), gym ids; row 0: the infinite-horizon action
         self._turn: dict[tuple[int, int, int], np.ndarray] = {}
-        self._sequences: dict[int, tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]] = {}
+        self._sequences: dict[int, list[tuple[int, ...]]] = {}
 
     # -- one move per decision -------------------------------------------------------------
 
@@ -405,7 +482,7 @@ class LakeSolver:
             best = q.max(axis=0)
             keep = self.infinite_policy
             tied = q[keep, np.arange(q.shape[1])] >= best - TIE
-            self._actions.append(np.where(tied, keep, q.argmax(axis=0)))
+            self._actions.append(np.where(tied, keep, _first_best(q)))
             values = best.copy()
             values[self.model.terminal] = 0.0
             values[self.model.goal] = 1.0
@@ -438,38 +515,42 @@ class LakeSolver:
             seen.add(state)
             action = self.action(state, None if moves_left is None else left)
             out.append(action)
-            a = action - 1
-            if model.goal_prob[a, state] >= model.trans[a, state].max():
+            likeliest, cell = model.likeliest(action - 1, state)
+            if model.goal_prob[action - 1, state] >= likeliest:
                 break  # most likely lands on the goal
-            state = int(model.trans[a, state].argmax())
+            state = cell
             left -= 1
         return out
 
     # -- turns of several moves (open loop within a turn) ----------------------------------
 
-    def _stacks(self, length: int) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
-        """All sequences of ``length`` gym actions with their end-of-sequence transition and goal probabilities."""
+    def _sequences_of(self, length: int) -> list[tuple[int, ...]]:
+        """All sequences of ``length`` gym actions, first action slowest: ``(0, 0), (0, 1), ..., (3, 3)``."""
         if length not in self._sequences:
-            if length == 1:
-                seqs = [(a,) for a in range(4)]
-                mats, goals = self.model.trans.copy(), self.model.goal_prob.copy()
-            else:
-                rest, rest_m, rest_g = self._stacks(length - 1)
-                seqs = [(a,) + r for a in range(4) for r in rest]
-                t, g = self.model.trans, self.model.goal_prob
-                mats = np.einsum("asx,rxy->arsy", t, rest_m).reshape(-1, *t.shape[1:])
-                goals = (g[:, None, :] + np.einsum("asx,rx->ars", t, rest_g)).reshape(-1, t.shape[1])
-            self._sequences[length] = (seqs, mats, goals)
+            rest = self._sequences_of(length - 1) if length > 1 else [()]
+            self._sequences[length] = [(a,) + r for a in range(4) for r in rest]
         return self._sequences[length]
+
+    def _sequence_scores(self, length: int, after: np.ndarray) -> np.ndarray:
+        """``P(reach G during w | s) + sum_s2 P(end w on s2 | s) after(s2)`` for every sequence ``w`` of
+        :meth:`_sequences_of` ``(length)``, shape ``(4**length, n_states)``.
+
+        Built from the last move backwards, one sparse backup per move (a sequence ``(a,) + w`` scores
+        ``backup`` of ``w``'s scores at ``a``), so it never forms an ``n x n`` matrix per sequence: those took
+        ``4**length * 8 n^2`` bytes (680 MB for 4-move turns on a 24x24 map).
+        """
+        scores = np.asarray(after, dtype=float)[None]  # the empty sequence; backup zeroes the terminal states
+        for _ in range(length):
+            scores = self.model.backup(scores).reshape(-1, scores.shape[-1])  # (4, R, n): row a * R + r
+        return scores
 
     def _turn_scores(self, turns_left: int, moves_left: int, per_turn: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
         """Every candidate sequence of this turn and its value per start state, ``(len(seqs), n_states)``."""
         seqs_all, scores = [], []
         for length in range(min(per_turn, moves_left, MAX_OPEN_LOOP), 0, -1):
-            seqs, mats, goals = self._stacks(length)
             after = self.turn_values(turns_left - 1, moves_left - length, per_turn)
-            seqs_all += seqs
-            scores.append(goals + mats @ np.where(self.model.terminal, 0.0, after))
+            seqs_all += self._sequences_of(length)
+            scores.append(self._sequence_scores(length, after))
         return seqs_all, np.concatenate(scores)
 
     def turn_values(self, turns_left: int, moves_left: int, per_turn: int) -> np.ndarray:
@@ -564,13 +645,14 @@ def policy_success_probability(env: Any, horizon: int, policy: dict[int, int] | 
         gym_policy = np.zeros(len(model.goal), dtype=int)
         for s, a in policy.items():
             gym_policy[s] = a - 1
-    idx = np.arange(len(model.goal))
-    step = model.trans[gym_policy, idx]  # (n, n): this policy's transitions
+    n_states = len(model.goal)
+    idx = np.arange(n_states)
+    succ, prob = model.succ[:, gym_policy, idx], model.prob[:, gym_policy, idx]  # (MAX_OUTCOMES, n): the policy's moves
     goal = model.goal_prob[gym_policy, idx]
-    dist = np.zeros(len(model.goal))
+    dist = np.zeros(n_states)
     dist[model.start] = 1.0
     reached = 0.0
     for _ in range(int(horizon)):
         reached += float(dist @ goal)
-        dist = dist @ step
+        dist = np.bincount(succ.ravel(), weights=(dist * prob).ravel(), minlength=n_states)
     return float(reached)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -20,6 +21,11 @@ UP, DOWN, LEFT, RIGHT = 1, 2, 3, 4
 _CHARSET = frozenset("0123456789. \n")
 #: The largest ``target``: the board holds 64-bit ints, and no tile exceeds the target.
 MAX_TARGET = 2**62
+#: The largest ``size``. The expert (:func:`best_move`) looks at every empty cell after every move, about size^4 work:
+#: measured on 2 CPU cores, 5 ms a move at 4x4, 32 ms at 8x8 and 0.3 s at 16x16 (minutes per won game, which takes
+#: about a thousand moves); its snake weights 4**-k also underflow to 0 beyond 23x23. A bigger value is far more
+#: likely a typo than a wish: ``size=10**6`` made ``reset`` try to allocate a 7 TiB board.
+MAX_SIZE = 16
 
 
 @register("game2048")
@@ -68,8 +74,9 @@ class Game2048Env(TextEnv):
     value)`` of the new tile, 0-based, or None), ``score`` (rewards so far), ``max_tile``.
 
     ## Arguments
-    ``size`` (>= 2), ``target`` (a power of two in 8..2**62, or 4 with ``spawn_four_prob`` 0), ``max_steps``, ``spawn_four_prob``
-    (in [0, 1]), ``own_spawn_draw`` (False: a group's envs share the spawns, as they share the seed).
+    ``size`` (2..16, :data:`MAX_SIZE`), ``target`` (a power of two in 8..2**62, or 4 with ``spawn_four_prob`` 0),
+    ``max_steps``, ``spawn_four_prob`` (in [0, 1]), ``own_spawn_draw`` (False: a group's envs share the spawns,
+    as they share the seed).
 
     See :func:`move` (one move on a board, pure) and :func:`best_move` (the expert's
     heuristic: a two-move lookahead with the corner strategy).
@@ -89,8 +96,8 @@ class Game2048Env(TextEnv):
         own_spawn_draw: bool = False
 
         def validate(self) -> None:
-            if self.size < 2:
-                raise ValueError(f"game2048: size must be >= 2, got {self.size}")
+            if not 2 <= self.size <= MAX_SIZE:
+                raise ValueError(f"game2048: size must be in 2..{MAX_SIZE}, got {self.size}")
             if self.target < 4 or self.target & (self.target - 1):
                 raise ValueError(f"game2048: target must be a power of two >= 4, got {self.target}")
             if self.target > MAX_TARGET:
@@ -344,11 +351,36 @@ def best_move(board: Any) -> int:
     return best
 
 
+def _tile(value: Any) -> int | None:
+    """One cell of a given board as an int, or None if it is not a whole number.
+
+    Ints, NumPy integers, whole floats (``2.0``, as a float array holds them) and digit strings (``"8"``) are whole;
+    ``2.5``, NaN, inf, ``True`` and ``"x"`` are not: ``int()`` made a 2.5 a 2 tile (and ``True`` a 1) without a word.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return int(value) if math.isfinite(value) and float(value).is_integer() else None
+    if isinstance(value, str) and value.strip().isdecimal():  # exactly the digits int() reads
+        return int(value)
+    return None
+
+
 def _parse_board(given: Any, size: int, target: int) -> np.ndarray:
+    """``reset``'s ``options["board"]`` as a ``size`` x ``size`` int64 board; ``ValueError`` naming what is wrong."""
+    not_ints = f"game2048: board must be {size} rows of {size} ints (0 = empty)"
     try:
-        rows = [[int(v) for v in row] for row in given]
-    except (TypeError, ValueError):
-        raise ValueError(f"game2048: board must be {size} rows of {size} ints (0 = empty), got {given!r}") from None
+        cells = [list(row) for row in given]
+    except TypeError:
+        raise ValueError(f"{not_ints}, got {given!r}") from None
+    rows = []
+    for r, row in enumerate(cells):
+        rows.append([_tile(v) for v in row])
+        if None in rows[-1]:
+            bad = row[rows[-1].index(None)]
+            raise ValueError(f"{not_ints}; row {r} holds {bad!r}, not a whole number")
     if len(rows) != size or any(len(row) != size for row in rows):
         raise ValueError(f"game2048: board must be {size}x{size} to match size={size}, got {given!r}")
     for row in rows:
