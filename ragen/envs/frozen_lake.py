@@ -284,6 +284,9 @@ TIE = 1e-12
 MAX_OPEN_LOOP = 4
 #: Most outcomes of one move: the intended direction and, on slippery ice, the two perpendicular ones.
 MAX_OUTCOMES = 3
+#: Maps of at most this many cells (8x8) back up through the dense table (``32 n^2`` bytes: 131 kB here): a
+#: ``(4, n, n)`` matmul is ~2.5x faster than the sparse gathers on 4x4 maps, the common size; larger maps gather.
+DENSE_MAX_CELLS = 64
 
 
 @dataclass(frozen=True)
@@ -349,9 +352,16 @@ class LakeModel:
             dense[a, s, succ] += prob
         return dense
 
+    @cached_property
+    def _trans_t(self) -> np.ndarray:
+        """``trans`` with its last two axes swapped, contiguous: ``(4, s2, s)`` for :meth:`expect`'s small-map matmul."""
+        return np.ascontiguousarray(self.trans.transpose(0, 2, 1))
+
     def expect(self, values: np.ndarray) -> np.ndarray:
         """``out[a, ..., s] = sum_s2 trans[a, s, s2] values[..., s2]`` for ``values`` of shape ``(..., n)``."""
         rows = values.reshape(-1, values.shape[-1])  # (R, n): gathering with [:, cells] is ~2x faster than [..., cells]
+        if len(self.goal) <= DENSE_MAX_CELLS:  # (R, n) @ (4, n, n) -> (4, R, n): one small matmul beats three gathers
+            return np.matmul(rows, self._trans_t).reshape(4, *values.shape)
         total = rows[:, self.succ[0]] * self.prob[0]  # (R, 4, n)
         for succ, prob in zip(self.succ[1:], self.prob[1:]):
             total += rows[:, succ] * prob
