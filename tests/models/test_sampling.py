@@ -135,13 +135,17 @@ def test_a_single_allowed_token_is_always_drawn():
 
 @pytest.mark.parametrize("sampler", HFBackend.SAMPLERS)
 def test_backend_first_tokens_follow_the_models_distribution(sampler):
-    """Through ``generate``: the first sampled token of 4,000 rows matches softmax(top-5 logits / T) of the model."""
+    """Through ``generate``: the first sampled token of 4,000 rows matches softmax(top-5 logits / T) of the model,
+    on both samplers, even with min-p / typical-p in the model's own generation_config (ragen's SamplingParams alone
+    shape the distribution: the trainer scores softmax(z / T); ragen/models/sampling.py, "Which distribution")."""
     model, tokenizer = load_model("tiny")
+    model.generation_config.min_p, model.generation_config.typical_p = 0.75, 0.5
     prompt = tokenizer("Which arm do you pull?")["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()  # (V,)
     top = torch.topk(logits, 5)
     expected = torch.zeros_like(logits).scatter_(0, top.indices, torch.softmax(top.values / 0.7, -1))
+    assert (expected[top.indices] < 0.75 * expected.max()).any()  # min_p=0.75, if applied, would cut these five's tail
     backend = HFBackend(model, tokenizer, precision="fp32", batch_size=4000, reuse_kv=False, sampler=sampler)
     torch.manual_seed(2)
     gens = backend.generate([prompt] * 4000, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=5))

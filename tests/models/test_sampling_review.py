@@ -167,24 +167,6 @@ def test_multinomial_kwargs_keep_transformers_default_top_k_out():
     assert set(GENERATION_CONFIG_WARPERS_OFF) <= set(kwargs)
 
 
-@pytest.mark.parametrize("sampler", HFBackend.SAMPLERS)
-def test_backend_first_tokens_ignore_the_models_min_p_and_typical_p(sampler):
-    """Empirically, through the backend: 4,000 first tokens follow softmax(top-5 logits / 0.7) on both samplers."""
-    settings = dict(min_p=0.75, typical_p=0.5)
-    model, tokenizer = tiny_with(settings)
-    logits = first_logits(settings)
-    top = torch.topk(logits, 5)
-    expected = torch.softmax(top.values / 0.7, -1)
-    assert (expected < 0.75 * expected.max()).any()  # min_p=0.75 alone would cut the tail of these five
-    backend = HFBackend(model, tokenizer, precision="fp32", batch_size=4000, reuse_kv=False, sampler=sampler)
-    torch.manual_seed(2)
-    prompt = tokenizer("Which arm do you pull?")["input_ids"]
-    gens = backend.generate([prompt] * 4000, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=5))
-    counts = torch.bincount(torch.tensor([g.token_ids[0] for g in gens]), minlength=logits.numel())
-    assert counts.sum() == counts[top.indices].sum()  # nothing outside the top 5
-    assert_frequencies(counts[top.indices], expected)
-
-
 def test_probs_is_the_distribution_draw_samples_from():
     """:meth:`InverseCDFSampler.probs` (what the tests above compare) against draw's frequencies, top-p and T on."""
     torch.manual_seed(5)
