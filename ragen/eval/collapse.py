@@ -130,6 +130,6 @@ class CollapseMonitor:
         """Feed the logged metrics of steps already run through :meth:`check` (warnings dropped): a resumed run's
         monitor then counts flat steps and judges spikes as the uninterrupted run's would. ``collapsed`` is left
         False: a run resumed after stopping on a collapse goes on until the next step confirms it again."""
-        for metrics in history:
-            self.check(metrics)
+        for metrics in history:  # metrics.jsonl writes NaN as null: a logged NaN is NaN again, not "not logged"
+            self.check({k: math.nan if v is None else v for k, v in metrics.items()})
         self.collapsed = False

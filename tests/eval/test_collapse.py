@@ -44,3 +44,23 @@ def test_monitor_warns_and_confirms_collapse():
     assert not monitor.collapsed
     warnings = monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0, "collapse/cross_prompt_similarity": 0.95})
     assert monitor.collapsed and len(warnings) == 3
+
+
+def test_a_resumed_monitor_counts_a_nan_step_as_the_live_one_did():
+    # metrics.jsonl stores NaN as null; replayed as "not logged", a NaN step no longer broke the run of collapsed
+    # steps, so a resumed run confirmed a collapse the uninterrupted run never would have
+    import json
+
+    from ragen.files import strict_dumps
+
+    low = {"actor/entropy": 0.0, "collapse/in_group_reward_std": 0.0}
+    nan = {"actor/entropy": math.nan, "collapse/in_group_reward_std": math.nan}
+    steps = [low, low, nan, low]
+    live = CollapseMonitor(patience=3)
+    for metrics in steps:
+        live.check(metrics)
+    resumed = CollapseMonitor(patience=3)
+    resumed.replay(json.loads(strict_dumps(m)) for m in steps[:-1])  # as read back from metrics.jsonl
+    resumed.check(steps[-1])
+    assert live.collapsed is False and resumed.collapsed is False
+    assert resumed._collapse_steps == live._collapse_steps == 1
