@@ -11,19 +11,20 @@ import pytest
 
 from ragen import runtime
 
-#: One "step": update-sized tensors (1 024 × 49 152 fp32 = 192 MiB each) alive together, then freed.
+#: One "step": large tensors (256 × 49 152 fp32 = 48 MiB each: past glibc's largest dynamic mmap threshold, 32 MiB,
+#: so by default every one is a fresh mmap, as an update's logits are) alive together, then freed.
 PROBE = """
 import resource, sys, torch
 from ragen.runtime import keep_freed_memory
 applied = keep_freed_memory()
 def faults_of_a_step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    a = torch.randn(1024, 49152); b = a.exp(); c = torch.log_softmax(a, -1); d = b * c
+    a = torch.randn(256, 49152); b = a.exp(); c = torch.log_softmax(a, -1); d = b * c
     del a, b, c, d
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 print(applied, *[faults_of_a_step() for _ in range(5)])
 """
-STEP_PAGES = 4 * 1024 * 49152 * 4 // 4096  # the step's four blocks in 4 KiB pages
+STEP_PAGES = 4 * 256 * 49152 * 4 // 4096  # the step's four blocks in 4 KiB pages
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 
