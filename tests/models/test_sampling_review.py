@@ -6,8 +6,6 @@ decode loop), which knows only ragen's three values. A model config with min-p, 
 sample different distributions; these tests pin them to the same one, and to the trainer's at top-k/top-p off.
 """
 
-import math
-
 import pytest
 import torch
 import transformers.generation.utils as generation_utils
@@ -17,6 +15,8 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.sampling import GENERATION_CONFIG_WARPERS_OFF, InverseCDFSampler, multinomial_generate_kwargs
 from ragen.train.target_logprobs import target_logprobs
+
+from tests.models.test_sampling import assert_frequencies
 
 #: A model config asking for every warper transformers 5 knows (no watermark: it would keep the decode loop out).
 MODEL_WARPERS = dict(temperature=0.6, top_k=50, top_p=0.9, min_p=0.5, typical_p=0.5, epsilon_cutoff=3e-5,
@@ -94,16 +94,6 @@ def first_logits(settings=MODEL_WARPERS) -> torch.Tensor:
     model, tokenizer = tiny_with(settings)
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokenizer("Which arm do you pull?")["input_ids"]])).logits[0, -1].float()
-
-
-def assert_frequencies(counts: torch.Tensor, probs: torch.Tensor) -> None:
-    """Every count within 5 standard deviations of n·p (binomial), and zero wherever p is zero."""
-    n = counts.sum().item()
-    for c, p in zip(counts.tolist(), probs.tolist()):
-        if p == 0:
-            assert c == 0
-        else:
-            assert abs(c - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, (counts, probs)
 
 
 @pytest.mark.parametrize("ragen", RAGEN_PARAMS, ids=["defaults", "T0.7_k20_p0.9"])

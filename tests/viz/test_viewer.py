@@ -196,17 +196,17 @@ REPLIES = [
 
 
 class ScriptedBackend:
-    """Replies from ``REPLIES`` in turn, per prompt; stands in for the model in a real ``Rollout``."""
+    """Replies from ``replies`` (default ``REPLIES``) in turn, per prompt; stands in for the model in a real ``Rollout``."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, 0
+    def __init__(self, tokenizer, replies=REPLIES):
+        self.tokenizer, self.replies, self.calls = tokenizer, replies, 0
 
     def generate(self, prompts, params):
         from ragen.models.backend import Generation
 
         out = []
         for _ in prompts:
-            reply = REPLIES[self.calls % len(REPLIES)]
+            reply = self.replies[self.calls % len(self.replies)]
             self.calls += 1
             out.append(Generation(self.tokenizer(reply, add_special_tokens=False)["input_ids"], "stop"))
         return out

@@ -11,6 +11,8 @@ import pytest
 
 from ragen.viz.viewer import INDEX_METRICS, MAX_EXTRA_METRICS, build_site
 
+from tests.viz.test_viewer import ScriptedBackend
+
 EVIL = "<script>alert(1)</script><img src=x onerror=\"document.title='PWNED'\">\u202e"
 REPLIES = [
     "<think>first</think><answer>Up</answer>",
@@ -19,28 +21,11 @@ REPLIES = [
 ]
 
 
-class ScriptedBackend:
-    """Replies from ``REPLIES`` in turn; stands in for the model in a real ``Rollout``."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, 0
-
-    def generate(self, prompts, params):
-        from ragen.models.backend import Generation
-
-        out = []
-        for _ in prompts:
-            reply = REPLIES[self.calls % len(REPLIES)]
-            self.calls += 1
-            out.append(Generation(self.tokenizer(reply, add_special_tokens=False)["input_ids"], "stop"))
-        return out
-
-
 def _play(run: Path, tokenizer, overrides, log_windows=False, spans=True):
     """A run dir as the trainer writes it (config.yaml, one rollouts file) from a real Rollout.
 
     ``log_windows``: also log each turn's window prompt as decoded tokens (``window_prompts``) and, with ``spans``,
-    ``turn_spans``: what the trainer would need to add to its records for the viewer to show the windows.
+    ``turn_spans``, as the trainer's records carry them; without, a log written before they were recorded.
     """
     from ragen.agent import AgentSettings, Rollout
     from ragen.config import load_config, to_yaml
@@ -49,7 +34,7 @@ def _play(run: Path, tokenizer, overrides, log_windows=False, spans=True):
 
     config = load_config("sokoban", ["rollout.env_groups=1", "rollout.group_size=1", "agent.max_turn=3", *overrides])
     slots = Slots.build(train_sets(config), config.rollout.group_size)
-    rollout = Rollout(ScriptedBackend(tokenizer), tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+    rollout = Rollout(ScriptedBackend(tokenizer, REPLIES), tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
     trajs = rollout.run(slots.envs, [5], [0], slots.env_names, settings=slots.settings, tags=slots.tags)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(to_yaml(config))
