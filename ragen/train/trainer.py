@@ -217,11 +217,11 @@ class StarPOTrainer:
             failed = [t for t in trajectories if t.error]
             if failed:  # the run goes on (those episodes train on nothing); the user is told why
                 say(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
-                          f"(first: {failed[0].error.splitlines()[0]})")
+                    f"(first: {failed[0].error.splitlines()[0]})")
             full = [t for t in trajectories if t.context_full]
             if full:
                 say(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
-                          f"context (first: {full[0].context_full})")
+                    f"context (first: {full[0].context_full})")
             # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
             metrics = self.update(trajectories)
             t2 = time.perf_counter()
@@ -239,7 +239,7 @@ class StarPOTrainer:
             self.log(metrics)
             if metrics.get("actor/nonfinite_grad_skipped"):
                 say(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
-                          f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
+                    f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
             for warning in self.collapse_monitor.check(metrics):
                 say(f"[ragen] collapse warning at step {step}: {warning}")
             stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
@@ -258,8 +258,6 @@ class StarPOTrainer:
                           f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
                           f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
                 summary["interrupted_at_step"] = step
-                self.close_loggers()
-                self.close_rollout_pool()
                 if self.is_main:  # what the run did so far; final/ and the last validation come with a finishing resume
                     summary["wall_time_s"] = time.perf_counter() - start
                     write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
