@@ -114,6 +114,27 @@ def test_every_row_stopped_by_a_stop_string_ends_the_loop_early(tiny, monkeypatc
     assert len(steps) == 1 and steps[0] <= max(map(len, prompts(tokenizer))) + 2  # stopped, not run to twelve
 
 
+@pytest.mark.parametrize("decode_loop_on", [True, False])
+def test_stop_string_criteria_are_built_once_per_tokenizer_and_stop_strings(monkeypatch, decode_loop_on):
+    """Building transformers' StopStringCriteria reads and sorts the whole vocabulary (~0.12 s for 49,152 tokens):
+    once per tokenizer and stop strings, not on every call; a tokenizer that gains a token gets a new one."""
+    model, tokenizer = load_model("tiny")  # its own tokenizer: add_tokens below changes it
+    built = []
+    real = decode_loop.StopStringCriteria
+    monkeypatch.setattr(decode_loop, "StopStringCriteria", lambda *a: built.append(a[1]) or real(*a))
+    backend = HFBackend(model, tokenizer, precision="fp32", decode_loop=decode_loop_on)
+    ids = prompts(tokenizer)
+    first = backend.generate(ids, SamplingParams(max_new_tokens=6, do_sample=False, stop=("the", "a")))
+    again = backend.generate(ids, SamplingParams(max_new_tokens=6, do_sample=False, stop=("the", "a")))
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    assert built == [["the", "a"]]
+    backend.generate(ids, SamplingParams(max_new_tokens=6, do_sample=False, stop=("b",)))
+    assert built == [["the", "a"], ["b"]]
+    criterion = decode_loop.stop_string_criteria(tokenizer, ("b",))
+    tokenizer.add_tokens(["<never-seen>"])
+    assert decode_loop.stop_string_criteria(tokenizer, ("b",)) is not criterion and len(built) == 3
+
+
 @pytest.mark.parametrize("setting", [dict(repetition_penalty=3.0), dict(no_repeat_ngram_size=2),
                                      dict(suppress_tokens=[5, 6, 7])])
 def test_generation_config_settings_the_loop_lacks_go_to_generate(monkeypatch, setting):
