@@ -19,7 +19,7 @@ HEADLINE = ["model", "env", "episodes", "seeds", "k", "n", "temperature", "succe
             "valid_action_rate", "response_length", "greedy", "sampled", "baselines", "notes"]
 SMALL_TRAIN = ["model=tiny", "trainer.total_steps=1", "rollout.env_groups=2", "rollout.group_size=2",
                "trainer.val_episodes=2", "trainer.val_before_train=false", "trainer.progress_bar=false",
-               "trainer.log_rollouts_freq=0"]
+               "trainer.log_rollouts_freq=0", "trainer.plot=false"]
 
 
 def test_pass_at_k_matches_its_definition():

@@ -9,7 +9,8 @@ from ragen.cli import main
 
 SMALL = ["model=tiny", "trainer.total_steps=2", "rollout.env_groups=2", "rollout.group_size=2",
          "rollout.max_new_tokens=6", "agent.max_turn=2", "trainer.val_episodes=2", "trainer.progress_bar=false",
-         "trainer.val_before_train=false", "trainer.save_final=false"]
+         "trainer.val_before_train=false", "trainer.save_final=false",
+         "trainer.plot=false"]  # (curves.png costs ~1.2 s a run; tests/viz draws it)
 
 
 def _metrics(run_dir):

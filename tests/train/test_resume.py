@@ -16,7 +16,8 @@ from ragen.train.checkpoint import latest_checkpoint
 
 ARGS = ["model=tiny", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
         "trainer.val_episodes=2", "trainer.progress_bar=false", "trainer.save_freq=1", "trainer.val_freq=2",
-        "optim.lr=1e-3", "trainer.num_threads=1"]
+        "optim.lr=1e-3", "trainer.num_threads=1",
+        "trainer.plot=false"]  # (curves.png costs ~1.2 s a run; tests/viz draws it)
 
 
 def _ragen(*argv: str) -> subprocess.Popen:

@@ -14,7 +14,8 @@ from ragen.train.trainer import StarPOTrainer
 
 WINDOW = ["model=tiny", "rollout.env_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "agent.max_turn=3",
           "agent.context_mode=window", "agent.max_context_window=1", "trainer.val_episodes=2",
-          "trainer.progress_bar=false", "trainer.val_before_train=false", "trainer.save_final=false"]
+          "trainer.progress_bar=false", "trainer.val_before_train=false", "trainer.save_final=false",
+          "trainer.plot=false"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae", "gigpo"])
