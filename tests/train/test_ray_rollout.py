@@ -172,8 +172,9 @@ def test_ragen_train_with_ray_workers(ray_session, tmp_path):
     small = ["model=tiny", "trainer.total_steps=2", "rollout.env_groups=2", "rollout.group_size=2",
              "rollout.max_new_tokens=6", "agent.max_turn=2", "trainer.val_episodes=2", "trainer.progress_bar=false",
              "trainer.val_before_train=false", "trainer.save_final=false"]
-    # LoRA: the workers receive only the adapters (their names must match the replicas')
-    assert main(["train", "sokoban", "rollout.backend=ray", "rollout.num_workers=2", "lora.rank=4",
+    # LoRA: the worker receives only the adapters (their names must match the replica's). One worker: each costs
+    # ~10 s of CPU to start (importing transformers), and the module's trainer above runs two.
+    assert main(["train", "sokoban", "rollout.backend=ray", "rollout.num_workers=1", "lora.rank=4",
                  f"trainer.output_dir={tmp_path}", *small]) == 0
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
