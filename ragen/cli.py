@@ -119,7 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             preflight(config, resume=bool(args.resume))
         except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
             return _fail(str(exc))
-        print(to_yaml(config), end="")
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, once (every rank still checks, and says what fails)
+            print(to_yaml(config), end="")
         return 0
     from ragen.train.distributed import close_distributed
     from ragen.train.trainer import StarPOTrainer

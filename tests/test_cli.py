@@ -231,6 +231,10 @@ def test_print_config_checks_and_prints_the_run_s_config_without_running(tmp_pat
     (tmp_path / "printed.yaml").write_text(printed)
     assert load_config(str(tmp_path / "printed.yaml")) == load_config("bandit", argv[2:])
     assert "total_steps: 3" in printed and "own_payoff_draw: false" in printed
+    # under torchrun the other ranks check the same and print nothing: one config on the console, not one per rank
+    monkeypatch.setenv("RANK", "1")
+    assert main([*argv, "--print-config"]) == 0
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("override, message", [
