@@ -21,7 +21,7 @@ The expert per env:
   ``V_k(s) = max_a sum P(s'|s,a) V_{k-1}(s')``, ``V_0 = 1[goal]``); on slippery ice with
   turns of several actions, the open-loop sequence that is optimal given the state at the
   turn's start (one action per turn when the turns left allow one per move left).
-  Without a budget, :func:`ragen.envs.frozen_lake.solve` (value iteration: the policy that
+  Without a budget, :func:`ragen.envs.frozen_lake.solve` (policy iteration: the policy that
   maximises the probability of ever reaching the goal; one action per turn when the ice
   is slippery, since the next state is random);
 * ``countdown`` -- :func:`ragen.envs.countdown.solve` (brute force over expressions);

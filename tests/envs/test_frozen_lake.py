@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ragen.envs.frozen_lake import (
     FrozenLakeEnv,
+    LakeModel,
     LakeSolver,
     parse_map,
     policy_success_probability,
@@ -374,3 +375,102 @@ def test_random_map_is_gymnasiums_map_and_gives_up_instead_of_hanging():
     # gymnasium's loop never ends here (a path needs every tile of a 4x4 board's route frozen at p = 1e-4)
     with pytest.raises(ValueError, match=f"no 4x4 map with a path from start to goal in {MAP_TRIES} tries at p=0.0001"):
         FrozenLakeEnv(size=4, p=1e-4).reset(seed=0)
+
+
+# -- infinite horizon: the exact solve -----------------------------------------------------------
+
+
+def _reference_value_iteration(model, tol=1e-12, max_iters=100_000, long_tol=1e-15, long_iters=300_000):
+    """REFERENCE ONLY (not the solver): the value iteration ``frozen_lake._value_iteration`` did before policy
+    iteration replaced it, copied as it was, run on past its stopping point to a tighter one.
+
+    Returns ``(old, long)``: ``old = (values, policy, converged)``, what the old code returned (``converged``:
+    a sweep changed nothing by ``tol`` before the ``max_iters`` cap); ``long = (values, converged)``, the same
+    iteration continued until a sweep changes nothing by ``long_tol`` (at most ``long_iters`` sweeps): value
+    iteration from 0 creeps up on the optimum, and "changes nothing by 1e-12" left it up to ~4e-9 short.
+    """
+    from ragen.envs.frozen_lake import _first_best, _rank_towards_goal
+
+    n_states = len(model.goal)
+    values = np.zeros(n_states)
+    q = np.zeros((4, n_states))
+    old = None
+    for sweep in range(1, long_iters + 1):
+        q = model.backup(values)
+        new = q.max(axis=0)
+        new[model.terminal] = 0.0
+        delta = np.abs(new - values).max()
+        values = new
+        if old is None and (delta < tol or sweep == max_iters):  # where the old code stopped
+            policy = _first_best(q)
+            _rank_towards_goal(model, q, values, policy)
+            old = (values.copy(), policy, bool(delta < tol))
+        if old is not None and delta < long_tol:
+            return old, (values, True)
+    return old, (values, False)
+
+
+@pytest.mark.parametrize(
+    "size, success_rate, seeds",
+    [(4, 1 / 3, range(3)), (4, 0.9, range(3)), (5, 0.6, range(3)), (6, 1 / 3, range(2)), (6, 0.9, [1, 2]),
+     (8, 0.9, range(2)), (10, 1 / 3, range(2)), (10, 0.9, [2])],
+)
+def test_infinite_values_equal_long_value_iteration_and_policy_the_old_one(size, success_rate, seeds):
+    """On random slippery maps: the solver's values are long value iteration's, and its policy is the one the old
+    value iteration gave (these maps: where it converged, close enough to the optimum for its 1e-9 tie margins)."""
+    for seed in seeds:
+        env = FrozenLakeEnv(size=size, success_rate=success_rate)
+        env.reset(seed=seed)
+        solver = LakeSolver(env)
+        model, values, policy = solver.model, solver.infinite_values, solver.infinite_policy
+        (old_values, old_policy, old_converged), (long_values, long_converged) = _reference_value_iteration(model)
+        assert long_converged, seed
+        np.testing.assert_allclose(values, long_values, rtol=0, atol=1e-9, err_msg=f"seed {seed}")
+        assert np.all(values[model.terminal] == 0.0) and np.all((0.0 <= values) & (values <= 1.0))
+        assert old_converged, seed
+        live = ~model.terminal
+        np.testing.assert_array_equal(policy[live], old_policy[live], err_msg=f"seed {seed}")
+        assert solve(env) == {int(s): int(policy[s]) + 1 for s in np.flatnonzero(live)}
+
+
+def test_exact_ties_go_to_the_first_action():
+    """An exact tie the old value iteration broke by its own error: in the second row's third cell Left and Down
+    both reach the goal with probability 0.975 (0.95 to a sure cell, 0.025 to another, 0.025 into a hole), but
+    its values came out 3e-9 apart there and it picked Down. Now Left, the first tied action, as documented."""
+    env = play(["SFHF", "FFFH", "FFFF", "HHFG"], success_rate=0.95)
+    solver = LakeSolver(env)
+    s = 1 * 4 + 2
+    q = solver.model.backup(solver.infinite_values)[:, s]
+    assert q[0] == pytest.approx(0.975, abs=1e-15) and q[1] == pytest.approx(0.975, abs=1e-15)
+    assert solver.infinite_values[s] == pytest.approx(0.975, abs=1e-15)
+    assert solver.action(s) == LEFT
+    (_, old_policy, old_converged), _ = _reference_value_iteration(solver.model, long_tol=1e-12)
+    assert old_converged and old_policy[s] + 1 == DOWN
+
+
+def test_infinite_values_with_dead_cells_and_an_unreachable_goal():
+    # the top row can reach the goal only through holes: value exactly 0 there (no linear system for them)
+    env = play(["SFH", "HHF", "FFG"], success_rate=0.8)
+    values = LakeSolver(env).infinite_values
+    assert values[0] == 0.0 and values[1] == 0.0
+    assert values[5] > 0.5 and values[6] > 0 and values[7] > 0.5
+    model = LakeModel.of(env)
+    residual = model.backup(values).max(axis=0) - values
+    assert np.abs(residual[~model.terminal]).max() < 1e-14
+    # the goal walled off by holes: every value 0, and the policy still defined everywhere
+    env = play(["SH", "HG"])
+    assert success_probability(env) == 0.0 and set(solve(env)) == {0}
+
+
+def test_infinite_horizon_is_solved_exactly_on_a_32x32_slippery_map():
+    """At success_rate 0.9 on 32x32 the old value iteration stopped at its 100_000-sweep cap with a Bellman
+    residual of 1.7e-10 on this map (values off by up to 2e-6); now the values are the optimum up to rounding."""
+    env = FrozenLakeEnv(size=32, success_rate=0.9)
+    env.reset(seed=2)
+    solver = LakeSolver(env)
+    model, values = solver.model, solver.infinite_values
+    live = ~model.terminal
+    residual = model.backup(values).max(axis=0) - values
+    assert np.abs(residual[live]).max() < 1e-10
+    assert np.all(values[model.terminal] == 0.0) and np.all((0.0 <= values) & (values <= 1.0))
+    assert 0.9 < values[model.start] < 1.0
