@@ -257,6 +257,8 @@ def parse_map(given: Any) -> list[str]:
     lengths = sorted({len(r) for r in rows})
     if len(lengths) > 1:
         raise ValueError(f"frozen_lake map: ragged rows (lengths {lengths}); all rows need the same length")
+    if len(rows) > MAX_SIZE or lengths[0] > MAX_SIZE:  # the bound on `size`, for the same reasons (the solver's dense solves)
+        raise ValueError(f"frozen_lake map: at most {MAX_SIZE}x{MAX_SIZE}, got {len(rows)}x{lengths[0]}")
     bad = sorted(set("".join(rows)) - set("SFHG"))
     if bad:
         raise ValueError(f"frozen_lake map: unknown characters {bad}; only S, F, H and G are allowed")

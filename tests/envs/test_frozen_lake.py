@@ -163,6 +163,8 @@ def test_solve_accepts_gymnasium_env():
         (["SF", "FF"], "exactly one 'G'"),
         ([], "non-empty"),
         (42, "list of row strings"),
+        (["S" + "F" * 32, "F" * 32 + "G"], "at most 32x32, got 2x33"),  # a given map has the bound on `size` too
+        (["SF"] + ["FF"] * 31 + ["FG"], "at most 32x32, got 33x2"),
     ],
 )
 def test_bad_maps(desc, match):
