@@ -473,10 +473,15 @@ def _solve_infinite(model: LakeModel, tol: float = 1e-12, warm_sweeps: int = WAR
             seen = {policy.tobytes()}  # the rough rounds may have taken a tied or slightly worse action: revisit them
         else:
             raise RuntimeError(f"frozen_lake solve: policy iteration did not settle in {MAX_POLICY_ROUNDS} rounds")
-    q = model.backup(values)
+    return values, _ranked_policy(model, model.backup(values), values)
+
+
+def _ranked_policy(model: LakeModel, q: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The policy of ``q``/``values``: the first best action (:func:`_first_best`), then, where that has no chance of
+    progress, an equally good one that has (:func:`_rank_towards_goal`)."""
     policy = _first_best(q)
     _rank_towards_goal(model, q, values, policy)
-    return values, policy
+    return policy
 
 
 def _goal_reachers(model: LakeModel, policy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -510,8 +515,7 @@ def _proper_policy(model: LakeModel, q: np.ndarray, values: np.ndarray, live: np
     where it has no chance of reaching G (states it leaves unranked, e.g. with values still below its 1e-9)
     the action of ``ranking`` (:func:`_goal_reachers`). Proper: by induction over the order ``ranking`` found the
     states in, each such state reaches G or an earlier one of them with a positive chance, and the others reach G."""
-    policy = _first_best(q)
-    _rank_towards_goal(model, q, values, policy)
+    policy = _ranked_policy(model, q, values)
     lost = live & ~_goal_reachers(model, policy)[0]
     policy[lost] = ranking[lost]
     return policy
