@@ -23,12 +23,17 @@ def _fail(message: str) -> int:
     return USAGE_ERROR
 
 
+def _rank0() -> bool:
+    """Rank 0 of a torchrun launch (its ``RANK``), or a single process: what the CLI reads before any process group."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def note_lost_env_settings(config) -> None:
     """One stderr line (rank 0 only) naming ``env.config`` settings from a YAML file that ``es.train`` leaves unused."""
     from ragen.config import lost_env_settings
 
     lost = lost_env_settings(config)
-    if lost and os.environ.get("RANK", "0") == "0":
+    if lost and _rank0():
         groups = sum(entry.groups for entry in config.es.train)
         print(f"ragen: note: {', '.join(lost)} not used: es.train is set, so its tags are the training envs "
               f"({groups} groups in all; env settings go on a tag: es.tags.TAG.config.KEY; docs/env_tags.md)",
@@ -40,7 +45,7 @@ def note_val_tags_keep_their_envs(config, overrides: list[str]) -> None:
     they are (each tag plays its own env config: the bandit preset's ``Bandit``/``BanditTest``)."""
     from ragen.config import single_env_key
 
-    if not config.es.val or config.es.train or os.environ.get("RANK", "0") != "0":
+    if not config.es.val or config.es.train or not _rank0():
         return
     keys = [key for key in map(single_env_key, overrides) if key and key.startswith("env")]
     if keys:
@@ -119,7 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             preflight(config, resume=bool(args.resume))
         except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
             return _fail(str(exc))
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, once (every rank still checks, and says what fails)
+        if _rank0():  # under torchrun, once (every rank still checks, and says what fails)
             print(to_yaml(config), end="")
         return 0
     from ragen.train.distributed import close_distributed

@@ -64,7 +64,7 @@ def unsupported_setting(generation_config) -> str | None:
 
 
 #: Each live tokenizer's built ``StopStringCriteria``, by ``(len(tokenizer), stop strings)``.
-_STOP_CRITERIA: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STOP_CRITERIA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def stop_string_criteria(tokenizer, stop_strings) -> StopStringCriteria:
