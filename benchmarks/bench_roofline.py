@@ -22,7 +22,11 @@ One process, in this order, so every ratio comes from the same run:
    distinct bandit prompts (the prompts the rollouts above rendered), each ``group_size`` times,
    as in the main job; exactly ``--new-tokens`` new tokens per row (EOS suppressed with
    ``SamplingParams.min_new_tokens``, no stop string), the main job's temperature / top-p / top-k.
-   Unhooked, as in ``ragen train``: the backend's own timers split prefill from decoding.
+   Unhooked, as in ``ragen train``: the backend's own timers split prefill from decoding. ``--gen-calls``
+   calls per batch size (5 by default), each a whole rollout as one RL step makes it (the fused weights built,
+   the prompts prefilled, 32 tokens decoded); the median call is the reported figure and the verdict, with every
+   call's seconds beside it (before stop 44 one call was timed: consecutive calls differ by up to ~1.5x on a
+   noisy VM).
 5. Peaks again.
 
 MFU (issue 7's definition) = model FLOPs / seconds / peak, with 2·N FLOPs per generated
@@ -239,28 +243,37 @@ def run_generation_section(trainer, probe, prompts: list[list[int]], args) -> li
     for B in args.batches:
         distinct = max(1, B // size)
         batch = [prompts[i % len(prompts)] for i in range(distinct) for _ in range(size)][:B]
-        stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps, backend.stats.prefilled_tokens,
-                  backend.stats.weights_s)
-        t0 = time.perf_counter()
-        gens = backend.generate(batch, params)
-        seconds = time.perf_counter() - t0
-        lengths = [len(g.token_ids) for g in gens]
-        res = {"batch": B, "distinct": distinct, "seconds": seconds, "generated": sum(lengths),
-               "exact": all(n == args.new_tokens for n in lengths), "prompt_len": statistics.mean(len(p) for p in batch),
-               # prompt tokens run besides the generated ones: each distinct prompt once, their common prefix once.
-               # HFBackend also counts each row's last prompt token (fed by the first decode step, whose B token-passes
-               # "generated" counts), or each distinct prompt's last token when the prefill ran it
-               # (first_from_prefill: B rows' first tokens came from those U passes, one decode step fewer). Either way
-               # generated + this = the token-passes the call really ran
-               "prefill_tokens": backend.stats.prefilled_tokens - stats0[3] - B,
-               "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
-               "weights_s": backend.stats.weights_s - stats0[4],  # the fused weights' casts and packs (once per call here)
-               "fused_steps": backend.fused.fused_steps - stats0[2]}
-        out.append(res)
-        print(f"  batch {B}: {seconds:.2f} s, {res['generated']} tokens ({res['generated'] / seconds:.1f} tok/s), "
-              f"every row {args.new_tokens} tokens: {res['exact']}; prefill {res['prefill_s']:.2f} s, "
-              f"fused weights build {res['weights_s']:.2f} s, "
-              f"generate (decode steps) {res['decode_s']:.2f} s, fused decode steps {res['fused_steps']}", flush=True)
+        calls = []
+        for call in range(args.gen_calls):
+            stats0 = (backend.stats.prefill_s, backend.stats.decode_s, backend.fused.fused_steps,
+                      backend.stats.prefilled_tokens, backend.stats.weights_s)
+            t0 = time.perf_counter()
+            gens = backend.generate(batch, params)
+            seconds = time.perf_counter() - t0
+            lengths = [len(g.token_ids) for g in gens]
+            res = {"batch": B, "distinct": distinct, "seconds": seconds, "generated": sum(lengths),
+                   "exact": all(n == args.new_tokens for n in lengths), "prompt_len": statistics.mean(len(p) for p in batch),
+                   # prompt tokens run besides the generated ones: each distinct prompt once, their common prefix once.
+                   # HFBackend also counts each row's last prompt token (fed by the first decode step, whose B
+                   # token-passes "generated" counts), or each distinct prompt's last token when the prefill ran it
+                   # (first_from_prefill: B rows' first tokens came from those U passes, one decode step fewer).
+                   # Either way generated + this = the token-passes the call really ran
+                   "prefill_tokens": backend.stats.prefilled_tokens - stats0[3] - B,
+                   "prefill_s": backend.stats.prefill_s - stats0[0], "decode_s": backend.stats.decode_s - stats0[1],
+                   "weights_s": backend.stats.weights_s - stats0[4],  # the fused weights' casts and packs (once per call)
+                   "fused_steps": backend.fused.fused_steps - stats0[2]}
+            calls.append(res)
+            print(f"  batch {B}, call {call + 1}/{args.gen_calls}: {seconds:.2f} s, {res['generated']} tokens "
+                  f"({res['generated'] / seconds:.1f} tok/s), every row {args.new_tokens} tokens: {res['exact']}; "
+                  f"prefill {res['prefill_s']:.2f} s, fused weights build {res['weights_s']:.2f} s, "
+                  f"generate (decode steps) {res['decode_s']:.2f} s, fused decode steps {res['fused_steps']}", flush=True)
+        # the median call stands for the batch (each call is a whole rollout: weights built, prompts prefilled, decoded);
+        # the fastest and slowest are reported beside it
+        ranked = sorted(calls, key=lambda c: c["seconds"])
+        median = dict(ranked[len(ranked) // 2])  # with an even count, the slower of the two middle calls
+        median["calls"] = [c["seconds"] for c in calls]
+        median["exact"] = all(c["exact"] for c in calls)
+        out.append(median)
     return out
 
 
@@ -269,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64], help="generation batch sizes")
     ap.add_argument("--new-tokens", type=int, default=32, help="exact new tokens per generated row")
+    ap.add_argument("--gen-calls", type=int, default=5,
+                    help="generate calls per batch size; the median call is reported (one call's time moved 1.65-2.41 s "
+                         "between consecutive calls on the Zen 5 VM at stop 44)")
     ap.add_argument("--steps", type=int, default=3, help="timed main-job RL steps (rollout + update)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed RL steps first (a run's first two updates fault in fresh memory)")
     ap.add_argument("--threads", type=int, default=1,
@@ -369,10 +385,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\ngeneration with HFBackend, exactly {args.new_tokens} new tokens per row, groups of "
           f"{config.rollout.group_size} sharing a prompt ({gen_contention}):")
-    print("| batch | distinct prompts | mean prompt len | s | generated tok/s | MFU, 2N x generated | MFU incl. prompt prefill "
+    print(f"(each row: the median of {args.gen_calls} calls; 'calls s' lists every call's seconds, 'MFU range' the fastest "
+          f"and slowest call's)")
+    print("| batch | distinct prompts | mean prompt len | s | calls s | generated tok/s | MFU, 2N x generated | MFU range "
+          "| MFU incl. prompt prefill "
           "| prefill s | generate s (decode steps, sampling) | fused weights build s | other s | fused decode steps "
           "| roofline bound tok/s | % of bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdict_gen = []
     for g in gens:
         tok_s = g["generated"] / g["seconds"]
@@ -383,14 +402,18 @@ def main(argv: list[str] | None = None) -> int:
         step_s = max(step_bytes / (bandwidth * 1e9), 2 * n_params * g["batch"] / (peak_gen * 1e9))
         bound = g["batch"] / step_s
         other = g["seconds"] - g["prefill_s"] - g["decode_s"] - g["weights_s"]
-        print(f"| {g['batch']} | {g['distinct']} | {g['prompt_len']:.0f} | {g['seconds']:.2f} | {tok_s:.1f} | {mfu:.1%} | {mfu_prefill:.1%} | "
+        mfu_of = lambda s: 2 * n_params * g["generated"] / s / 1e9 / peak_gen  # noqa: E731 (every call: the same tokens)
+        calls = " / ".join(f"{c:.2f}" for c in g["calls"])
+        print(f"| {g['batch']} | {g['distinct']} | {g['prompt_len']:.0f} | {g['seconds']:.2f} | {calls} | {tok_s:.1f} | {mfu:.1%} | "
+              f"{mfu_of(max(g['calls'])):.1%}-{mfu_of(min(g['calls'])):.1%} | {mfu_prefill:.1%} | "
               f"{g['prefill_s']:.2f} | {g['decode_s']:.2f} | {g['weights_s']:.2f} | {other:.2f} | {g['fused_steps']} | {bound:.0f} | {tok_s / bound:.1%} |")
         if g["batch"] >= 32:
             verdict_gen.append((g["batch"], mfu))
 
     print()
     for B, mfu in verdict_gen:
-        print(f"target generation >= {TARGET_GEN:.0%} MFU at batch {B}: {mfu:.1%} -> {'met' if mfu >= TARGET_GEN else 'NOT met'}")
+        print(f"target generation >= {TARGET_GEN:.0%} MFU at batch {B}: {mfu:.1%} (median call) -> "
+              f"{'met' if mfu >= TARGET_GEN else 'NOT met'}")
     met = min(mfu_real, mfu_hw) >= TARGET_UPDATE
     print(f"target update >= {TARGET_UPDATE:.0%} MFU: {mfu_real:.1%} (6N x tokens the decoder ran), {mfu_hw:.1%} "
           f"(executed linear-layer FLOPs) -> {'met' if met else 'NOT met'}; the decoder ran {real / u['once']:.2f}x the "
