@@ -127,6 +127,23 @@ def test_the_scores_buffer_is_reused_between_steps_of_one_shape():
     assert sampler(ids[:2], torch.randn(2, 300)).shape == (2, 300)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_drawn_distribution_is_the_tempered_softmax_with_eos_kept_out(temperature):
+    """``probs`` (the weights ``draw`` samples from, made by the same code) is softmax(z / T) row by row, with the
+    suppressed tokens at exactly 0 before ``min_new_tokens`` and back after: a golden check of the one-op softmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 700, generator=g) * 4
+    logits[1, 5] = float("-inf")
+    sampler = InverseCDFSampler(temperature, suppress=[7, 9], min_new_tokens=2)
+    early = sampler.probs(torch.zeros((3, 4), dtype=torch.long), logits.clone())  # the call's first step
+    expected = logits.double().clone()
+    expected[:, [7, 9]] = float("-inf")
+    torch.testing.assert_close(early, torch.softmax(expected / temperature, -1), rtol=1e-5, atol=1e-9)
+    assert (early[:, [7, 9]] == 0).all() and early[1, 5] == 0
+    later = sampler.probs(torch.zeros((3, 6), dtype=torch.long), logits.clone())  # 2 tokens written: EOS allowed
+    torch.testing.assert_close(later, torch.softmax(logits.double() / temperature, -1), rtol=1e-5, atol=1e-9)
+
+
 def test_a_single_allowed_token_is_always_drawn():
     only = torch.full((6,), float("-inf"))
     only[4] = 0.0
