@@ -220,7 +220,7 @@ def _exact_expert_success(env, budget) -> float:
 @pytest.mark.parametrize("seed", range(6))
 def test_expert_on_two_action_turns_attains_the_turn_optimum(seed):
     """SlipperyFrozenLake's budget (5 turns x 2 actions, 10 in all): the expert's exact success is the
-    optimum over turn-structured play, and above one move per turn and the infinite-horizon policy."""
+    optimum over turn-structured play, and above one move per turn and the infinite-horizon policy's first 5 moves."""
     from ragen.envs.agents import Budget
     from ragen.envs.frozen_lake import policy_success_probability, success_probability, turn_success_probability
 
@@ -230,7 +230,9 @@ def test_expert_on_two_action_turns_attains_the_turn_optimum(seed):
     exact = _exact_expert_success(env, budget)
     assert exact == pytest.approx(turn_success_probability(env, 5, 2, 10), abs=1e-12)
     assert exact >= success_probability(env, 5) - 1e-12  # one move per turn
-    assert exact >= policy_success_probability(env, 10) - 1e-12  # the old policy, even with all 10 moves
+    # the infinite-horizon policy one move per turn (not with all 10 moves: seeing the state after every move, the
+    # fastest optimal policy beats 5 turns of 2 on seeds 1 and 2, 0.0191 against 0.0170 and 0.1515 against 0.1327)
+    assert exact >= policy_success_probability(env, 5) - 1e-12
     assert exact <= success_probability(env, 10) + 1e-12  # closed-loop play over all 10 moves
 
 
