@@ -100,12 +100,13 @@ def run_ragen(args, out_dir: Path) -> dict:
     trainer.train_rollout.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                                     top_p=r.top_p, top_k=r.top_k, stop=(), min_new_tokens=args.new_tokens)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    if not args.zero_gradient_skip:
+    if args.zero_gradient_skip:
+        print("  [ragen] update: backward skipped where every advantage is 0 (as shipped)", flush=True)
+    else:
         # The same work as TRL's: at this shape every reward is the format penalty, so every advantage is 0 and ragen
         # would skip the backward pass (exactly zero gradients, ragen/train/trainer.py gradient_is_zero), which TRL runs.
         trainer.gradient_is_zero = lambda advantages: False
-    print(f"  [ragen] update: {'backward skipped where every advantage is 0 (as shipped)' if args.zero_gradient_skip else 'full forward + backward always (as TRL)'}",
-          flush=True)
+        print("  [ragen] update: full forward + backward always (as TRL)", flush=True)
 
     steps, prompts = [], []
     for step in range(1, args.warmup + args.steps + 1):

@@ -457,8 +457,9 @@ def _solve_infinite(model: LakeModel, tol: float = 1e-12, warm_sweeps: int = WAR
         values = new
         if delta < tol:
             break
+    q = model.backup(values)
+    policy = _proper_policy(model, q, values, live, ranking)
     if delta > 0:
-        policy = _proper_policy(model, model.backup(values), values, live, ranking)
         values, precise, margin = _policy_values(model, policy, live), False, TIE
         seen = {policy.tobytes()}
         for _ in range(MAX_POLICY_ROUNDS):
@@ -480,9 +481,7 @@ def _solve_infinite(model: LakeModel, tol: float = 1e-12, warm_sweeps: int = WAR
             seen = {policy.tobytes()}  # the rough rounds may have taken a tied or slightly worse action: revisit them
         else:
             raise RuntimeError(f"frozen_lake solve: policy iteration did not settle in {MAX_POLICY_ROUNDS} rounds")
-    else:
-        policy = _proper_policy(model, model.backup(values), values, live, ranking)
-    q = model.backup(values)
+        q = model.backup(values)  # the settled values'
     policy = np.where(live, policy, _first_best(q))  # off the live states every action has value 0: the first
     return values, _fastest_policy(model, q, live, policy)
 
