@@ -25,7 +25,7 @@ One process, in this order, so every ratio comes from the same run:
    Unhooked, as in ``ragen train``: the backend's own timers split prefill from decoding. ``--gen-calls``
    calls per batch size (5 by default), each a whole rollout as one RL step makes it (the fused weights built,
    the prompts prefilled, 32 tokens decoded); the median call is the reported figure and the verdict, with every
-   call's seconds beside it (before stop 44 one call was timed: consecutive calls differ by up to ~1.5x on a
+   call's seconds beside it (before stop 44 one call was timed: consecutive calls differed by up to 1.4x on a
    noisy VM).
 5. Peaks again.
 
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64], help="generation batch sizes")
     ap.add_argument("--new-tokens", type=int, default=32, help="exact new tokens per generated row")
     ap.add_argument("--gen-calls", type=int, default=5,
-                    help="generate calls per batch size; the median call is reported (one call's time moved 1.65-2.41 s "
-                         "between consecutive calls on the Zen 5 VM at stop 44)")
+                    help="generate calls per batch size (>= 1); the median call is reported (8 consecutive calls at batch "
+                         "32 took 1.77-2.45 s on the Zen 5 VM at stop 44)")
     ap.add_argument("--steps", type=int, default=3, help="timed main-job RL steps (rollout + update)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed RL steps first (a run's first two updates fault in fresh memory)")
     ap.add_argument("--threads", type=int, default=1,
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=MODEL, help="model spec (tiny: a smoke run; its MFU means nothing)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.gen_calls < 1:
+        ap.error(f"--gen-calls must be at least 1, got {args.gen_calls}")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     import torch
