@@ -422,7 +422,7 @@ class HFBackend:
         packed weights (:func:`~ragen.models.fused_prefill.prefill`) where the cache and inputs allow it. Either way a
         pass of more than :data:`~ragen.models.fused_prefill.PASS_TOKENS` tokens runs in column chunks, each appending
         to the cache before the next (the same keys and values up to float rounding; measured in
-        ``docs/performance.md``, "Long prompt prefills in column chunks").
+        ``docs/performance-history.md``, "Long prompt prefills in column chunks").
         """
         cache, ids, mask = inputs.get(CACHE_KWARG), inputs["input_ids"], inputs.get("attention_mask")
         fits = inputs.get("position_ids") is not None and (plain_layers(cache) if cache is not None else self._plain_cache_layers())
