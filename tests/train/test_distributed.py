@@ -135,7 +135,7 @@ def test_torchrun_train_matches_single_process(tmp_path, fsdp):
     common = ["sokoban", "model=tiny", "trainer.total_steps=2", "rollout.env_groups=2", "rollout.group_size=3",
               "rollout.max_new_tokens=8", "agent.max_turn=2", "trainer.val_episodes=2", "trainer.progress_bar=false",
               "trainer.save_final=false", "trainer.save_freq=1", "algorithm.micro_batch_size=1", "trainer.precision=fp32",
-              "algorithm.adv_estimator=reinforce_pp", "algorithm.mini_batch_size=4", "optim.lr=1e-3", "trainer.plot=false",
+              "algorithm.adv_estimator=gae", "algorithm.mini_batch_size=4", "optim.lr=1e-3", "trainer.plot=false",
               f"trainer.fsdp={str(fsdp).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -143,11 +143,14 @@ def test_torchrun_train_matches_single_process(tmp_path, fsdp):
     assert main(["train", *common, f"trainer.output_dir={tmp_path / 'solo'}"]) == 0
     rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("ddp", "solo")]
     assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [0, 1, 2]
-    assert rows[1][1]["actor/grad_norm"] > 0
+    # a critic (GAE) so the update has a gradient even when every return is the same format penalty (the untrained
+    # tiny model rarely answers well-formed: with reinforce_pp every advantage was 0 and the update skipped its backward)
+    assert rows[1][1]["actor/grad_norm"] > 0 and rows[1][2]["actor/grad_norm"] > 0
+    unstable = {"critic/explained_variance"}  # 1 - Var(R - V) / Var(R) is 0/0 when every return is equal
     for ddp, solo in zip(*rows):
         assert {k for k in ddp if not k.startswith("time/")} == {k for k in solo if not k.startswith("time/")}
         for key in solo:
-            if not key.startswith("time/"):
+            if not key.startswith("time/") and key not in unstable:
                 assert ddp[key] == pytest.approx(solo[key], rel=1e-4, abs=1e-6, nan_ok=True), key
     ckpts = [latest_checkpoint(tmp_path / run)[1]["params"] for run in ("ddp", "solo")]
     for name in ckpts[1]:
