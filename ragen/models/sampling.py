@@ -28,7 +28,8 @@ Every decode step of a ``generate`` call reuses one ``(B, V)`` float32 buffer fo
 and the returned scores (transformers' top-k / top-p warpers, when asked for, still allocate their own): on a 2-core EPYC a fresh ``(32, 49 152)`` tensor per step meant fresh
 pages (page faults) each time (``docs/performance-history.md``, "Sampling without fresh pages"). The
 returned tensor is therefore overwritten at the next step: do not combine this processor with
-``generate(output_scores=True)``, which keeps every step's scores.
+``generate(output_scores=True)``, which keeps every step's scores, nor with ``output_logits=True`` (the raw
+logits it keeps can be the very tensor this processor writes in place).
 
 Which distribution, on every path. ragen's own ``temperature`` / ``top_k`` / ``top_p`` (``SamplingParams``, from
 ``rollout.*``) decide the warping, whichever sampler runs: they already override the model's ``generation_config``
@@ -141,8 +142,9 @@ class InverseCDFSampler(LogitsProcessor):
     def draw(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor:
         """The sampled token per row, ``(B, 1)``, for ``input_ids`` ``(B, L)`` so far and fp32 ``scores`` ``(B, V)``.
 
-        ``scores`` may be written (EOS set to -inf before ``min_new_tokens``). :mod:`ragen.models.decode_loop`
-        calls this directly; ``generate`` goes through ``__call__``.
+        ``scores`` is written (EOS set to -inf before ``min_new_tokens``; divided by the temperature when no
+        warper applies it), so each step's scores can be drawn from once. :mod:`ragen.models.decode_loop` calls this
+        directly; ``generate`` goes through ``__call__``.
         """
         weights = self._weights(input_ids, scores)  # (B, V)
         u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)

@@ -1,7 +1,7 @@
 """Sokoban generation: hopeless tries are dropped before the reverse-play search, and rooms stay the same.
 
 ``(32, 32)`` with 8 boxes used to run the reverse-play search (up to 100000 states, ~0.5 s each) in all 50 tries
-and give up after ~23-43 s. Most tries cannot pull every box off its target within ``search_depth`` moves at all
+and give up after ~23-30 s. Most tries cannot pull every box off its target within ``search_depth`` moves at all
 (``min_pull_moves``); those are now dropped without the search. The search draws nothing from ``np_random``, so
 the rooms generated are unchanged: the golden rooms below were rendered by the code before the change.
 """
