@@ -152,7 +152,8 @@ class HFBackend:
     model whose decode steps are fused through the same packed weights (:mod:`ragen.models.fused_prefill`);
     ``first_from_prefill=True`` lets that prefill run the prompts' last tokens too (once per distinct prompt, or per row
     when resuming kept caches), so the decode loop samples the first token from their logits (:class:`Prefilled`)
-    instead of a decode step of every row. All follow ``rollout.fast_decode``.
+    instead of a decode step of every row. All follow ``rollout.fast_decode``. ``native_decode=True`` runs the fused
+    step's bf16 grouped-prefix steps in C++ (:mod:`ragen.models.native_decode`; ``rollout.native_decode``).
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are
@@ -170,7 +171,7 @@ class HFBackend:
                  reuse_kv_max_bytes: int | None = 4 * 2**30, sampler: str = "inverse_cdf", transposed_gemm: bool = True,
                  grow_cache: bool = True, decode_attention: bool = True, fused_decode: bool = True,
                  common_prefix: bool = True, decode_loop: bool = True, fused_prefill: bool = True,
-                 first_from_prefill: bool = True):
+                 first_from_prefill: bool = True, native_decode: bool = True):
         if sampler not in self.SAMPLERS:
             raise ValueError(f"sampler must be one of {self.SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -188,6 +189,7 @@ class HFBackend:
         self.first_from_prefill = first_from_prefill
         self._prefill_fused = False  # within a call: the fused decode step is switched on and fused_prefill asked for
         self.fused = FusedDecoder()  # the fused decode weights, kept for one session (one rollout)
+        self.fused.native = native_decode
         self._in_session = False
         self.model = model
         self.tokenizer = tokenizer
@@ -209,7 +211,8 @@ class HFBackend:
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
                    transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
                    fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
-                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode)
+                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode,
+                   native_decode=r.fast_decode and r.native_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):

@@ -51,7 +51,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from ragen.models import decode_attention, train_attention
+from ragen.models import decode_attention, native, native_decode, train_attention
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
@@ -341,6 +341,8 @@ class SharedPrefix:
     #: ``(U | 1, 1, k·g, length + capacity·k)``, made at the first grouped step: the prefix's padding (-inf) and,
     #: after it, 0 where query row ``j·g + h`` may read own column ``length + t·k + j`` (row ``j``'s), else -inf.
     grouped_bias: torch.Tensor | None = None
+    #: Grouped steps computed by the C++ kernel (:mod:`ragen.models.native_decode`).
+    native_steps: int = 0
 
     @classmethod
     def from_layers(cls, layers, group: int, padding: torch.Tensor | None, capacity: int = 0) -> "SharedPrefix":
@@ -364,32 +366,46 @@ class SharedPrefix:
 
     def append_own(self, layer: int, key: torch.Tensor, value: torch.Tensor, heads_per_kv: int):
         """Copy this step's ``key``/``value`` ``(B, H_kv, 1, D)`` into layer ``layer``'s buffers after the prefix
-        (step-major: column ``length + t·k + j`` holds row ``j``'s step ``t``; grown by :data:`OWN_CHUNK` steps, not
-        sized for ``capacity`` up front: rows may stop early) and return the ``n = length + (t+1)·k`` filled columns:
-        ``(U, H_kv, D, n)`` keys, ``(U, H_kv, n, D)`` fp32 values and the ``(U | 1, 1, k·g, n)`` bias."""
-        k, t, Lp = self.group, self.own_steps, self.length
-        U, H_kv, D = key.shape[0] // k, key.shape[1], key.shape[-1]
-        if self.grouped_bias is None:  # the call's first grouped step
-            row = torch.arange(k, device=key.device).repeat_interleave(heads_per_kv)  # query row j·g + h -> j
-            column = torch.arange(k, device=key.device).repeat(self.capacity)  # own column t·k + j -> j
-            bias = key.new_zeros(1 if self.bias is None else U, 1, k * heads_per_kv, Lp + self.capacity * k,
-                                 dtype=torch.float32)
+        (step-major: column ``length + t·k + j`` holds row ``j``'s step ``t``) and return the ``n = length + (t+1)·k``
+        filled columns: ``(U, H_kv, D, n)`` keys, ``(U, H_kv, n, D)`` fp32 values and the ``(U | 1, 1, k·g, n)`` bias."""
+        k, U, H_kv, D = self.group, key.shape[0] // self.group, key.shape[1], key.shape[-1]
+        self.make_grouped_bias(heads_per_kv, key.device)
+        n = self.reserve_own(layer)
+        keys_t, values = self.keys_t[layer], self.values[layer]
+        keys_t[..., n - k : n] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k), to fp32
+        values[:, :, n - k : n] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
+        return keys_t[..., :n], values[:, :, :n], self.grouped_bias[..., :n]
+
+    def make_grouped_bias(self, heads_per_kv: int, device) -> torch.Tensor:
+        """:attr:`grouped_bias`, made at the call's first grouped step (``heads_per_kv`` query heads per KV head)."""
+        if self.grouped_bias is None:
+            k, Lp, U = self.group, self.length, self.keys_t[0].shape[0]
+            row = torch.arange(k, device=device).repeat_interleave(heads_per_kv)  # query row j·g + h -> j
+            column = torch.arange(k, device=device).repeat(self.capacity)  # own column t·k + j -> j
+            bias = torch.zeros(1 if self.bias is None else U, 1, k * heads_per_kv, Lp + self.capacity * k, device=device,
+                               dtype=torch.float32)
             if self.bias is not None:
                 bias[..., :Lp] = self.bias
             bias[..., Lp:].masked_fill_(row[:, None] != column[None, :], float("-inf"))
             self.grouped_bias = bias
+        return self.grouped_bias
+
+    def reserve_own(self, layer: int) -> int:
+        """Make room in layer ``layer``'s buffers for this step's ``k`` own columns (grown by :data:`OWN_CHUNK` steps,
+        not sized for ``capacity`` up front: rows may stop early); returns ``n = length + (t+1)·k``, the columns filled
+        once they are written."""
+        k, t, Lp = self.group, self.own_steps, self.length
         keys_t, values = self.keys_t[layer], self.values[layer]
         n = Lp + (t + 1) * k
         if keys_t.shape[-1] < n:
+            U, H_kv, D = keys_t.shape[:3]
             width = Lp + min(self.capacity, t + OWN_CHUNK) * k
             grown_k = keys_t.new_empty(U, H_kv, D, width)
             grown_v = values.new_empty(U, H_kv, width, values.shape[-1])
             grown_k[..., : n - k] = keys_t[..., : n - k]
             grown_v[:, :, : n - k] = values[:, :, : n - k]
-            self.keys_t[layer], self.values[layer] = keys_t, values = grown_k, grown_v
-        keys_t[..., n - k : n] = key.view(U, k, H_kv, D).permute(0, 2, 3, 1)  # (U, H_kv, D, k), to fp32
-        values[:, :, n - k : n] = value.view(U, k, H_kv, -1).transpose(1, 2)  # (U, H_kv, k, D), to fp32
-        return keys_t[..., :n], values[:, :, :n], self.grouped_bias[..., :n]
+            self.keys_t[layer], self.values[layer] = grown_k, grown_v
+        return n
 
     def grouped_step(self, past: int, padding: torch.Tensor | None) -> bool:
         """Whether this decode step (``past`` cached columns before it) can run :func:`_attend_grouped`: every earlier
@@ -466,12 +482,15 @@ def _attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None, cache, prefix: SharedPrefix | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None, cache, prefix: SharedPrefix | None = None,
+                native=None) -> torch.Tensor:
     """Logits ``(B, 1, V)`` for one new token per row, appending its keys and values to ``cache``.
 
     ``input_ids`` ``(B, 1)``; ``attention_mask`` ``(B, L + 1)`` (1 = real, 0 = padding) or None; ``cache``
     holds ``L`` columns per layer. Positions default to ``L`` for every row, as transformers' Llama.
     With ``prefix`` (rows in groups sharing their first cache columns) attention reads those once per group.
+    With ``native`` (:func:`ragen.models.native.ops`) a grouped step that :func:`ragen.models.native_decode.can_run`
+    takes runs its layers and head in C++ (``prefix.native_steps`` counts those).
     """
     inner, config = model.model, model.config
     B = input_ids.shape[0]
@@ -492,6 +511,9 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         if attention_mask is not None and not bool(attention_mask.all()):
             padding = (attention_mask == 0)[:, None, None, :]  # (B, 1, 1, L + 1): columns no query may read
         grouped = prefix is not None and prefix.grouped_step(past, padding)
+        if grouped and native is not None and native_decode.can_run(weights, cache, prefix):
+            prefix.native_steps += 1
+            return native_decode.grouped_step(native, model, weights, h, cos, sin, cache, prefix, past).unsqueeze(1)
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)
@@ -549,6 +571,10 @@ class FusedDecoder:
         self.shared_prefix_steps = 0
         #: Of the shared-prefix steps, those that also read the rows' own columns per group (:func:`_attend_grouped`).
         self.grouped_steps = 0
+        #: Run bf16 grouped steps through ragen's C++ kernel (:mod:`ragen.models.native_decode`) where it builds.
+        self.native = True
+        #: Of the grouped steps, those the C++ kernel computed.
+        self.native_steps = 0
         self.plain_calls = 0
         #: Prompt prefills run through these weights (:func:`ragen.models.fused_prefill.prefill`, by ``HFBackend``).
         self.prefill_calls = 0
@@ -582,6 +608,10 @@ class FusedDecoder:
             start = time.perf_counter()
             weights.pack_rows(rows)
             self.build_s += time.perf_counter() - start
+
+    def native_ops(self, dtype: torch.dtype):
+        """The C++ kernels for a step computed in ``dtype`` (bf16 only), or None: off, or not built on this machine."""
+        return native.ops() if self.native and dtype == torch.bfloat16 else None
 
     def clear(self) -> None:
         """Drop the weights (the staging buffer stays: the next session's casts reuse its pages)."""
@@ -625,11 +655,14 @@ def fused_decode_for(model, decoder: FusedDecoder, enabled: bool = True):
             decoder.pack_rows_if_it_pays(weights, input_ids.shape[0], call_steps)
         prefix = decoder.prefix_for(input_ids.shape[0], cache.get_seq_length())
         kept = prefix.own_steps if prefix is not None else None
-        logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix)
+        natively = prefix.native_steps if prefix is not None else 0
+        logits = decode_step(model, weights, input_ids, attention_mask, position_ids, cache, prefix,
+                             native=decoder.native_ops(dtype) if prefix is not None else None)
         call_steps += 1
         decoder.fused_steps += 1
         decoder.shared_prefix_steps += prefix is not None
         decoder.grouped_steps += kept is not None and prefix.own_steps == kept + 1
+        decoder.native_steps += prefix is not None and prefix.native_steps - natively
         return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
 
     model.forward = forward

@@ -69,17 +69,29 @@ class GrowingLayer(DynamicLayer):
             return super().update(key_states, value_states, *args, **kwargs)  # torch.cat: differentiable
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         add = key_states.shape[-2]
+        n = self.reserve(add, key_states, value_states)
+        self._key_buffer[:, :, n : n + add] = key_states
+        self._value_buffer[:, :, n : n + add] = value_states
+        return self.advance(add)
+
+    def reserve(self, add: int, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None) -> int:
+        """Make room for ``add`` more columns (copying into a fresh buffer if the views are not the buffer's own or it is
+        full) and return ``n``, the filled columns: the new ones go to ``buffer[:, :, n : n + add]``, then
+        :meth:`advance`. An empty layer takes its buffers' shape and dtype from ``key_states``/``value_states``."""
+        n = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
         if not self._owns_views() or n + add > self._key_buffer.shape[-2]:
             if n == 0:
                 keys, values = key_states[:, :, :0], value_states[:, :, :0]
             else:
                 keys, values = self.keys, self.values
             self._adopt(keys, values, n + add + max(self.min_growth, n // 2))
-        self._key_buffer[:, :, n : n + add] = key_states
-        self._value_buffer[:, :, n : n + add] = value_states
-        self.keys, self.values = self._key_buffer[:, :, : n + add], self._value_buffer[:, :, : n + add]
+        return n
+
+    def advance(self, add: int):
+        """Extend ``keys``/``values`` over ``add`` columns written into the buffers after the filled ones."""
+        n = self.keys.shape[-2] + add
+        self.keys, self.values = self._key_buffer[:, :, :n], self._value_buffer[:, :, :n]
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -1,0 +1,58 @@
+"""The fused decode step's grouped path in C++ (:mod:`ragen.models.native`): one call for all layers and the head.
+
+:func:`ragen.models.fused_decode.decode_step` hands a step here when :func:`can_run` says the C++ kernel computes it:
+bf16 on oneDNN-packed weights, a :class:`~ragen.models.fused_decode.SharedPrefix` step that reads every own column
+per group (:func:`~ragen.models.fused_decode._attend_grouped`), a cache of :class:`GrowingLayer`\\ s holding fp32
+keys and bf16 values. Python keeps the bookkeeping (the buffers' growth, the group mask, the cache's views); the
+kernel computes the 30 layers without returning to Python. Same arithmetic as the Python step up to float rounding
+(``tests/models/test_native_decode.py``).
+
+Measured on the 2-core Zen 5 EPYC (bf16, SmolLM2-135M, batch 32, groups of 4, 32 new tokens; calls alternated in one
+process): ``docs/performance.md``, "native decode step".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragen.models.growing_cache import GrowingLayer
+
+
+def can_run(weights, cache, prefix) -> bool:
+    """Whether :func:`grouped_step` computes this step (the caller already checked the step is a grouped one)."""
+    if weights.dtype != torch.bfloat16 or not all(linear.packed for linear in weights.linears()):
+        return False
+    if not all(type(layer) is GrowingLayer and layer.keys is not None and layer.keys.dim() == 4 for layer in cache.layers):
+        return False
+    layer = cache.layers[0]
+    return (layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+            and weights.norm.dtype == torch.float32 and all(w.norm_in.dtype == torch.float32 for w in weights.layers)
+            and prefix.keys_t[0].dtype == torch.float32)
+
+
+def grouped_step(ops, model, weights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, prefix,
+                 past: int) -> torch.Tensor:
+    """Logits ``(B, V)`` bf16 of one grouped decode step: ``h`` ``(B, C)`` fp32 embeddings, ``cos``/``sin_signed``
+    ``(B | 1, 1, D)`` fp32; the step's keys and values appended to ``cache`` (column ``past``) and ``prefix``."""
+    config = model.config
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = cos.shape[-1]
+    L = weights.layers
+    prefix.make_grouped_bias(H // H_kv, h.device)
+    n = 0
+    for i in range(len(L)):
+        n = prefix.reserve_own(i)
+    for layer in cache.layers:
+        if layer.reserve(1) != past:
+            raise RuntimeError(f"cache layer holds {layer.keys.shape[-2]} columns, the step expects {past}")
+    logits = ops.decode_grouped(
+        h, cos, sin_signed, [w.norm_in for w in L], [w.eps_in for w in L], [w.qkv.weight for w in L],
+        [w.qkv.bias for w in L], [w.o.weight for w in L], [w.o.bias for w in L], [w.norm_post for w in L],
+        [w.eps_post for w in L], [w.gate_up.weight for w in L], [w.down.weight for w in L], prefix.keys_t,
+        prefix.values, [layer._key_buffer for layer in cache.layers], [layer._value_buffer for layer in cache.layers],
+        prefix.grouped_bias, prefix.group, n - prefix.group, past, H, H_kv, D ** -0.5, weights.norm, weights.norm_eps,
+        weights.head.weight)  # (B, V)
+    for layer in cache.layers:
+        layer.advance(1)
+    prefix.own_steps += 1
+    return logits

@@ -1,0 +1,231 @@
+"""The C++ grouped decode step computes what the Python fused step computes, up to float rounding."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from ragen.models import native
+from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.cache_names import with_cache
+from ragen.models.fused_decode import FusedWeights, SharedPrefix, _rms_norm, decode_step
+from ragen.models.growing_cache import GrowingLayer, make_growing
+
+from tests.models.small_models import SMALL, small_model
+
+OPS = native.ops()
+needs_native = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart ``a`` and ``b`` (bf16, same sign, finite) are."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), width=st.integers(1, 200), scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_rms_norm_kernel_is_the_python_norm_to_one_bf16_step(rows, width, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, width, generator=g) * scale
+    w = torch.randn(width, generator=g)
+    h_before = h.clone()
+    got = OPS.rms_norm_bf16(h, w, 1e-5)
+    expected = _rms_norm(h, w, 1e-5).to(torch.bfloat16)
+    assert torch.equal(h, h_before)  # the op works on a copy
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, width)
+    # the mean of squares is summed in another order than ATen's: the bf16 result may round one step apart, rarely
+    assert bf16_ulps(got, expected).max() <= 1
+    assert (got != expected).sum() <= max(1, 0.01 * got.numel())
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), inter=st.integers(1, 300), scale=st.floats(0.01, 30.0), seed=st.integers(0, 2**16))
+def test_silu_mul_kernel_is_silu_times_up_in_bf16(rows, inter, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * scale).bfloat16()
+    got = OPS.silu_mul_bf16(gate_up)
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    # exp within ~2 ulp of fp32 before the bf16 rounding: at most one bf16 step apart, and rarely that
+    assert (got.float() - expected.float()).abs().le(expected.float().abs() * 2 ** -7 + 1e-30).all()
+    assert (got != expected).sum() <= max(1, 0.01 * got.numel())
+
+
+@needs_native
+def test_silu_mul_kernel_edge_values():
+    z = torch.tensor([0.0, -0.0, 1e-30, -100.0, 100.0, -88.5, 89.0, float("inf"), float("-inf"), float("nan")])
+    gate_up = torch.cat([z, torch.ones_like(z)]).bfloat16()[None]
+    got, expected = OPS.silu_mul_bf16(gate_up)[0].float(), (F.silu(gate_up[:, :10]) * gate_up[:, 10:])[0].float()
+    assert torch.equal(got.isnan(), expected.isnan())
+    torch.testing.assert_close(got[~got.isnan()], expected[~expected.isnan()], rtol=2 ** -7, atol=0)
+
+
+ODD = dict(SMALL, hidden_size=84, intermediate_size=100)  # head_dim 14, widths not multiples of 16: the scalar tails
+
+
+def odd_model(seed: int = 0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**ODD)).eval()
+
+
+def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, ops, tokens=None):
+    """Prefill ``U`` prompts, copy each to ``group`` rows, then ``steps`` fused decode steps with a shared prefix.
+
+    Returns each step's logits ``(B, V)`` fp32, the tokens fed, the cache and the prefix. ``tokens`` (one ``(B, 1)``
+    per step) are fed if given, else each step's argmax."""
+    U, W = ids.shape
+    rows = torch.arange(U).repeat_interleave(group)
+    bf16 = dtype == torch.bfloat16
+    out, fed = [], []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache(cache))
+        make_growing(cache, W + steps + 2)
+        padding = mask[:, :-1] == 0
+        prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=steps)
+        cache.reorder_cache(rows)
+        weights = FusedWeights(model, dtype)
+        m = mask[rows]
+        token = ids[rows, -1:]
+        positions = m.sum(1, keepdim=True) - 1
+        for step in range(steps):
+            logits = decode_step(model, weights, token, m, positions, cache, prefix, native=ops)[:, 0].float()
+            out.append(logits)
+            fed.append(token)
+            token = tokens[step + 1] if tokens is not None and step + 1 < len(tokens) else logits.argmax(-1, keepdim=True)
+            m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+            positions = positions + 1
+    return out, fed, cache, prefix
+
+
+def prompts(vocab: int, seed: int = 0, pads=(0, 3, 5)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (len(pads), 11), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_bias", "odd"])
+@pytest.mark.parametrize("group,pads", [(3, (0, 3, 5)), (4, (0, 0)), (1, (2, 0, 0, 1))])
+def test_native_steps_are_as_close_to_fp32_as_the_python_steps(kind, group, pads):
+    model = odd_model(3) if kind == "odd" else small_model(kind, seed=3)
+    ids, mask = prompts(model.config.vocab_size, seed=group, pads=pads)
+    steps = 5
+    exact, tokens, _, _ = grouped_run(model, ids, mask, group, steps, torch.float32, None)
+    python, _, py_cache, py_prefix = grouped_run(model, ids, mask, group, steps, torch.bfloat16, None, tokens)
+    ported, _, nat_cache, nat_prefix = grouped_run(model, ids, mask, group, steps, torch.bfloat16, OPS, tokens)
+    assert nat_prefix.native_steps == steps and py_prefix.native_steps == 0
+    assert nat_prefix.own_steps == py_prefix.own_steps == steps
+    # the first step starts from the same prefilled state: the same logits up to the kernels' rounding
+    scale = python[0].abs().max()
+    assert (ported[0] - python[0]).abs().max() <= 0.02 * scale, ((ported[0] - python[0]).abs().max(), scale)
+    for step in range(steps):
+        py_err, nat_err = (python[step] - exact[step]).abs(), (ported[step] - exact[step]).abs()
+        assert nat_err.max() <= 2 * py_err.max() + 1e-3 and nat_err.mean() <= 2 * py_err.mean() + 1e-4, \
+            (step, nat_err.max(), py_err.max(), nat_err.mean(), py_err.mean())
+    # the caches: the same columns, the step's keys (fp32) and values (bf16) as the Python step wrote them
+    for nat, py in zip(nat_cache.layers, py_cache.layers):
+        assert type(nat) is GrowingLayer and nat.keys.shape == py.keys.shape and nat.values.dtype == torch.bfloat16
+        torch.testing.assert_close(nat.keys, py.keys, rtol=0.05, atol=0.05)
+        torch.testing.assert_close(nat.values.float(), py.values.float(), rtol=0.05, atol=0.05)
+    n = nat_prefix.length + steps * group  # the group buffers' filled columns
+    for a, b in zip(nat_prefix.keys_t, py_prefix.keys_t):
+        torch.testing.assert_close(a[..., :n], b[..., :n], rtol=0.05, atol=0.05)
+    for a, b in zip(nat_prefix.values, py_prefix.values):
+        torch.testing.assert_close(a[:, :, :n], b[:, :, :n], rtol=0.05, atol=0.05)
+
+
+@needs_native
+def test_a_native_step_writes_the_cache_column_the_python_step_writes():
+    model = small_model("llama", seed=5)
+    ids, mask = prompts(model.config.vocab_size, seed=5)
+    _, tokens, _, _ = grouped_run(model, ids, mask, 3, 1, torch.float32, None)
+    _, _, py_cache, py_prefix = grouped_run(model, ids, mask, 3, 1, torch.bfloat16, None, tokens)
+    _, _, nat_cache, nat_prefix = grouped_run(model, ids, mask, 3, 1, torch.bfloat16, OPS, tokens)
+    for nat, py in zip(nat_cache.layers, py_cache.layers):
+        # the prefilled columns untouched, the new one the rotated key (fp32) and the value (bf16)
+        assert torch.equal(nat.keys[:, :, :-1], py.keys[:, :, :-1]) and torch.equal(nat.values[:, :, :-1], py.values[:, :, :-1])
+        torch.testing.assert_close(nat.keys[:, :, -1], py.keys[:, :, -1], rtol=0.02, atol=0.02)
+        assert bf16_ulps(nat.values[:, :, -1], py.values[:, :, -1]).max() <= 2
+    L, k = nat_prefix.length, nat_prefix.group
+    for a, b in zip(nat_prefix.keys_t, py_prefix.keys_t):
+        assert torch.equal(a[..., :L], b[..., :L])
+        torch.testing.assert_close(a[..., L : L + k], b[..., L : L + k], rtol=0.02, atol=0.02)
+
+
+@needs_native
+def test_native_step_catches_buffers_that_do_not_fit():
+    model = small_model("llama", seed=1)
+    ids, mask = prompts(model.config.vocab_size, seed=1)
+    _, _, cache, prefix = grouped_run(model, ids, mask, 3, 1, torch.bfloat16, OPS)
+    weights = FusedWeights(model, torch.bfloat16)
+    L = weights.layers
+    H, H_kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    B, C = 9, model.config.hidden_size
+    D = C // H
+    args = dict(cos=torch.ones(1, 1, D), sin=torch.zeros(1, 1, D))
+    with pytest.raises(RuntimeError, match="KV cache must hold fp32 keys and bf16 values"):
+        OPS.decode_grouped(torch.zeros(B, C), args["cos"], args["sin"], [w.norm_in for w in L], [w.eps_in for w in L],
+                           [w.qkv.weight for w in L], [w.qkv.bias for w in L], [w.o.weight for w in L],
+                           [w.o.bias for w in L], [w.norm_post for w in L], [w.eps_post for w in L],
+                           [w.gate_up.weight for w in L], [w.down.weight for w in L], prefix.keys_t, prefix.values,
+                           [layer._key_buffer.bfloat16() for layer in cache.layers],
+                           [layer._value_buffer for layer in cache.layers], prefix.grouped_bias, 3, prefix.length,
+                           cache.get_seq_length(), H, H_kv, D ** -0.5, weights.norm, weights.norm_eps, weights.head.weight)
+
+
+@needs_native
+def test_backend_runs_grouped_bf16_steps_natively_and_can_be_told_not_to(tiny):
+    model, tokenizer = tiny
+    a, b = (tokenizer(t)["input_ids"] for t in ("push the box", "the box is on the target now"))
+    params = SamplingParams(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    on = HFBackend(model, tokenizer, precision="bf16")
+    off = HFBackend(model, tokenizer, precision="bf16", native_decode=False)
+    got = on.generate([a] * 4 + [b] * 4, params)
+    assert on.fused.native_steps == on.fused.grouped_steps > 0
+    want = off.generate([a] * 4 + [b] * 4, params)
+    assert off.fused.native_steps == 0 and off.fused.grouped_steps == on.fused.grouped_steps
+    assert all(len(g.token_ids) == 6 for g in got + want)
+    # a random tiny model's logits are nearly flat: greedy tokens may differ in rounding, most do not
+    same = sum(x == y for g, h in zip(got, want) for x, y in zip(g.token_ids, h.token_ids))
+    assert same >= 0.75 * 8 * 6, same
+
+
+def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_path):
+    broken = tmp_path / "decode_step.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx512f avx512_bf16",)})
+    monkeypatch.setenv("RAGEN_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_reason", native._reason)  # restored after the test
+    with pytest.warns(UserWarning, match="native decode kernels unavailable"):
+        assert native.ops.__wrapped__() is None
+    assert "failed" in native.unavailable_reason()
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is kept
+
+
+def test_cpus_without_avx512_bf16_are_not_tried(monkeypatch):
+    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx2 avx512f",)})
+    monkeypatch.setattr(native, "_reason", native._reason)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.ops.__wrapped__() is None
+    assert native.unavailable_reason() == "this CPU lacks avx512_bf16"
+
+
+def test_the_library_key_follows_the_source(monkeypatch, tmp_path):
+    first = native.library_key()
+    changed = tmp_path / "decode_step.cpp"
+    changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native.library_key() != first
