@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections prefill   # the MAX_ROWS bound, ~1 min
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections attention # decode_attention off/on, ~3 min
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections fused     # fused decode step off/on, ~2 min
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections native --batches 32 64 --rounds 5  # C++ step
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -46,6 +47,10 @@ machine slows both alike. Sections (``--sections``):
     every other lever on, at ``--precision``, prompts whose lengths differ between groups; median
     decode seconds, the ratio, MFU of each arm against the same run's matmul peak of that precision,
     and how many rows sampled the same tokens.
+``native``
+    ``HFBackend.generate`` with the native (C++) grouped decode step (:mod:`ragen.models.native_decode`) off vs on,
+    every other lever on, at ``--precision`` (bf16 only: the kernel serves bf16 steps); the same prompts as ``fused``;
+    median whole-call and decode seconds, each round's off/on ratio, MFU of the whole call, native steps taken.
 
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
@@ -310,13 +315,58 @@ def fused_section(torch, model, tokenizer, args) -> None:
               f"tokens {same}/{B} (bf16 rounding may change some); {precision} peak {top:.1f} GFLOP/s", flush=True)
 
 
+def native_section(torch, model, tokenizer, args) -> None:
+    """``HFBackend.generate`` with the native (C++) grouped decode step off/on (:mod:`ragen.models.native_decode`)."""
+    from ragen.models import native
+    from ragen.models.backend import HFBackend, SamplingParams
+    from ragen.models.precision import resolve_precision
+
+    precision = resolve_precision(args.precision)
+    if native.ops() is None:
+        print(f"\n[native] skipped: {native.unavailable_reason()}")
+        return
+    n_params = sum(p.numel() for p in model.parameters())
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, min_new_tokens=args.new_tokens)
+    print(f"\n[native] HFBackend.generate with native_decode off/on (every other lever on), {precision}, groups of 4 rows "
+          f"per prompt (lengths differ between groups), exactly {args.new_tokens} new tokens, {args.rounds} alternated "
+          f"rounds (+1 warm-up), seed 0 per call; MFU = 2·N·generated tokens / whole call seconds / {precision} matmul peak")
+    for B in args.batches:
+        words = [14 + 3 * g % 11 for g in range(max(1, B // 4))]
+        texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
+        prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+        p0 = peak(torch, precision)
+        backends = {on: HFBackend(model, tokenizer, precision=precision, native_decode=on) for on in (False, True)}
+        calls, decode, tokens = {False: [], True: []}, {False: [], True: []}, {}
+        for r, on in alternate([False, True], args.rounds + 1):
+            backend = backends[on]
+            d0 = backend.stats.decode_s
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            tokens[on] = [g.token_ids for g in backend.generate(prompts, params)]
+            if r > 0:
+                calls[on].append(time.perf_counter() - t0)
+                decode[on].append(backend.stats.decode_s - d0)
+        top = max(p0, peak(torch, precision))
+        generated = sum(len(t) for t in tokens[True])
+        mfu = lambda s: 2 * n_params * generated / s / (top * 1e9)  # noqa: E731
+        off, on = statistics.median(calls[False]), statistics.median(calls[True])
+        pairs = [a / b for a, b in zip(calls[False], calls[True])]
+        same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+        steps = backends[True].fused
+        print(f"  batch {B}: whole call off {off:.2f} s (MFU {mfu(off):.1%}), on {on:.2f} s (MFU {mfu(on):.1%}), ratio "
+              f"{off / on:.2f}x (per round {' '.join(f'{x:.2f}' for x in pairs)}); decode steps off "
+              f"{statistics.median(decode[False]):.2f} s, on {statistics.median(decode[True]):.2f} s; native steps "
+              f"{steps.native_steps} of {steps.grouped_steps} grouped; rows with identical tokens {same}/{B} (bf16 "
+              f"rounding may change some); {precision} peak {top:.1f} GFLOP/s", flush=True)
+
+
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"],
-                    choices=["gemm", "steps", "prefill", "generate", "attention", "fused"])
+                    choices=["gemm", "steps", "prefill", "generate", "attention", "fused", "native"])
     ap.add_argument("--precision", default="auto", help="attention section: trainer.precision (auto: bf16 where the CPU has it)")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
@@ -359,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             attention_section(torch, model, tokenizer, args)
         elif name == "fused":
             fused_section(torch, model, tokenizer, args)
+        elif name == "native":
+            native_section(torch, model, tokenizer, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)
