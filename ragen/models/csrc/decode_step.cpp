@@ -24,7 +24,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "ragen's native decode kernels need AVX-512 BF16 (-march=native on a CPU with avx512_bf16)"
@@ -133,13 +135,14 @@ void silu_mul_bf16(const BFloat16* gate_up, BFloat16* out, int64_t B, int64_t I)
 // The rotary embedding of one row's query and key heads from its qkv (bf16), in fp32 as fused_decode._rotate:
 // r = x · cos + swap(x) · sin_signed, swap(x) = [x₂, x₁]. Writes
 //   grouped[u, kv, j·g + hq, :] = r(query head kv·g + hq) · scaling       (the group's query rows, as _grouped_queries)
-//   keys_t[u, kv, :, col + j] = r(key head kv);  values[u, kv, col + j, :] = v(kv)    (the group buffers, fp32)
+//   keys[b, kv, :] = r(key head kv), then (keys_to_groups) keys_t[u, kv, :, col + j];
+//   values[u, kv, col + j, :] = v(kv)                                         (the group buffers, fp32)
 //   cache_k[b, kv, pos, :] = r(key head kv) (fp32);  cache_v[b, kv, pos, :] = v(kv) (bf16)   (the row's KV cache)
 // for row b = u·k + j.
 struct Scatter {
   int64_t H, H_kv, D, g, k, col, pos;
   float scaling;
-  float *grouped, *keys_t, *values, *cache_k;
+  float *grouped, *keys, *keys_t, *values, *cache_k;
   BFloat16* cache_v;
   at::IntArrayRef kts, vts, cks, cvs;
 
@@ -148,7 +151,11 @@ struct Scatter {
     alignas(64) float x[kMaxHeadDim], r[kMaxHeadDim];
     for (int64_t head = 0; head < H + H_kv; ++head) {
       const BFloat16* xh = qkv + head * D;
-      for (int64_t d = 0; d < D; ++d) x[d] = (float)xh[d];
+      for (int64_t d = 0; d < D; d += 16) {  // bf16 -> fp32, exactly; the last chunk masked
+        const __mmask16 m = d + 16 <= D ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+        const __m256i raw = _mm256_maskz_loadu_epi16(m, xh + d);
+        _mm512_mask_storeu_ps(x + d, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      }
       for (int64_t d = 0; d < half; ++d) r[d] = x[d] * cos[d] + x[d + half] * sin[d];
       for (int64_t d = half; d < D; ++d) r[d] = x[d] * cos[d] + x[d - half] * sin[d];
       if (head < H) {
@@ -157,10 +164,10 @@ struct Scatter {
         for (int64_t d = 0; d < D; ++d) dst[d] = r[d] * scaling;
       } else {
         const int64_t kv = head - H;
-        float* kt = keys_t + u * kts[0] + kv * kts[1] + (col + j) * kts[3];
         float* ck = cache_k + b * cks[0] + kv * cks[1] + pos * cks[2];
+        float* staged = keys + (b * H_kv + kv) * D;
         for (int64_t d = 0; d < D; ++d) {
-          kt[d * kts[2]] = r[d];
+          staged[d] = r[d];
           ck[d * cks[3]] = r[d];
         }
       }
@@ -172,6 +179,127 @@ struct Scatter {
       for (int64_t d = 0; d < D; ++d) {
         vt[d * vts[3]] = (float)v[d];
         cv[d * cvs[3]] = v[d];
+      }
+    }
+  }
+
+  // keys_t[u, kv, d, col + j] = keys[u·k + j, kv, d]: a group's k new columns are adjacent in each of keys_t's rows,
+  // so writing them group by group touches k times fewer cache lines than row by row (keys_t's rows are W apart)
+  void keys_to_groups(int64_t B) const {
+    for (int64_t u = 0; u < B / k; ++u)
+      for (int64_t kv = 0; kv < H_kv; ++kv)
+        for (int64_t d = 0; d < D; ++d) {
+          float* dst = keys_t + u * kts[0] + kv * kts[1] + d * kts[2] + col * kts[3];
+          for (int64_t j = 0; j < k; ++j) dst[j * kts[3]] = keys[((u * k + j) * H_kv + kv) * D + d];
+        }
+  }
+};
+
+// Attention of the group's query rows over its n columns, for one group u and KV head kv (fp32):
+//   S = Q K_tᵀ-layout product (R × n) + bias,  P = softmax(S) per row,  O = P V (R × D)
+// with Q (R, D) the scaled query rows (R = k·g), K_t (D, n) at row stride kt_stride, V (n, D) at row stride
+// v_stride, bias (R, n) at row stride bias_stride; out row r at out + r_out(r). The same products and sums as
+// fused_decode._attend_grouped's two fp32 bmm and softmax, summed in another order (each score over d in order,
+// each output over the columns in order) and with exp512 for the softmax's exp.
+struct GroupAttention {
+  int64_t R, D, n;
+  const float *q, *kt, *v, *bias;
+  int64_t kt_stride, v_stride, bias_stride;
+  float* scores;  // (R_pad, n_pad) scratch
+
+  static constexpr int RB = 4;  // query rows per register block
+
+  // S[r0 .. r0 + ROWS) = Q K_t + bias, -inf past n (ROWS a compile-time count: the accumulators stay in registers)
+  template <int ROWS>
+  void score_rows(int64_t r0, int64_t np) const {
+    const int64_t n16 = np / 16;
+    const float* qr = q + r0 * D;
+    for (int64_t c = 0; c < n16; ++c) {
+      const __mmask16 m = c * 16 + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c * 16)) - 1);
+      __m512 acc[ROWS];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr) acc[rr] = _mm512_setzero_ps();
+      const float* kc = kt + c * 16;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kv = _mm512_maskz_loadu_ps(m, kc + d * kt_stride);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < ROWS; ++rr) acc[rr] = _mm512_fmadd_ps(_mm512_set1_ps(qr[rr * D + d]), kv, acc[rr]);
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr) {
+        const __m512 b = _mm512_maskz_loadu_ps(m, bias + (r0 + rr) * bias_stride + c * 16);
+        // past n: -inf, so the row's max and sum ignore the padding lanes
+        _mm512_storeu_ps(scores + (r0 + rr) * np + c * 16,
+                         _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), _mm512_add_ps(acc[rr], b)));
+      }
+    }
+  }
+
+  // out[r0 .. r0 + ROWS) = P V, 64 of D at a time
+  template <int ROWS>
+  void value_rows(int64_t r0, int64_t np, float* out) const {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __mmask16 dm[4];
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const int64_t left = D - d0 - 16 * t;
+        dm[t] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+      }
+      __m512 acc[ROWS][4];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) acc[rr][t] = _mm512_setzero_ps();
+      const float* pr = scores + r0 * np;
+      for (int64_t c = 0; c < n; ++c) {
+        const float* vr = v + c * v_stride + d0;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) vv[t] = _mm512_maskz_loadu_ps(dm[t], vr + 16 * t);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < ROWS; ++rr) {
+          const __m512 p = _mm512_set1_ps(pr[rr * np + c]);
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) acc[rr][t] = _mm512_fmadd_ps(p, vv[t], acc[rr][t]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) _mm512_mask_storeu_ps(out + (r0 + rr) * D + d0 + 16 * t, dm[t], acc[rr][t]);
+    }
+  }
+
+  void run(float* out) const {
+    const int64_t np = (n + 15) / 16 * 16;
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      switch (std::min<int64_t>(RB, R - r0)) {
+        case 4: score_rows<4>(r0, np); break;
+        case 3: score_rows<3>(r0, np); break;
+        case 2: score_rows<2>(r0, np); break;
+        default: score_rows<1>(r0, np); break;
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {  // softmax, in place
+      float* sr = scores + r * np;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < np; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + c));
+      const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < np; c += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), vmax));
+        _mm512_storeu_ps(sr + c, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+      for (int64_t c = 0; c < np; c += 16) _mm512_storeu_ps(sr + c, _mm512_mul_ps(_mm512_loadu_ps(sr + c), inv));
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      switch (std::min<int64_t>(RB, R - r0)) {
+        case 4: value_rows<4>(r0, np, out); break;
+        case 3: value_rows<3>(r0, np, out); break;
+        case 2: value_rows<2>(r0, np, out); break;
+        default: value_rows<1>(r0, np, out); break;
       }
     }
   }
@@ -218,7 +346,9 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos and sin must be fp32");
   const int64_t cos_rows = cos.numel() / D;
   TORCH_CHECK(cos_rows == 1 || cos_rows == B, "cos must be (1 | B, 1, D)");
-  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.size(-1) >= n && bias.size(-2) == k * g, "bias must be fp32 (U | 1, 1, k·g, >= n)");
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 4 && (bias.size(0) == 1 || bias.size(0) == U) &&
+                  bias.size(-2) == k * g && bias.size(-1) >= n && bias.stride(-1) == 1,
+              "bias must be fp32 (U | 1, 1, k·g, >= n), contiguous in its last dimension");
   const Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   const float* cp = cos_c.data_ptr<float>();
   const float* sp = sin_c.data_ptr<float>();
@@ -226,7 +356,7 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
   Tensor x = at::empty({B, C}, bf);                          // a norm's output, the projections' input
   Tensor grouped = at::empty({U, H_kv, k * g, D}, h.options());  // the groups' scaled query rows
   Tensor attended = at::empty({B, H * D}, bf);               // attention's output, o's input
-  Tensor bias_n = bias.narrow(-1, 0, n);
+  Tensor keys = at::empty({B, H_kv, D}, h.options());        // the step's rotated keys, before keys_to_groups
   Tensor down;  // the previous layer's MLP output (B, C) bf16, added to h by the next norm
   for (int64_t i = 0; i < L; ++i) {
     const Tensor &kt = keys_t[i], &vt = values[i], &ck = cache_k[i], &cv = cache_v[i];
@@ -236,27 +366,43 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
     const Tensor qkv = packed_linear(x, w_qkv[i], b_qkv.get(i));  // (B, (H + 2·H_kv)·D) bf16
     TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && qkv.size(1) == (H + 2 * H_kv) * D,
                 "the qkv projection must give (B, (H + 2·H_kv)·D) bf16");
-    const Scatter scatter{H, H_kv, D, g, k, col, pos, (float)scaling, grouped.data_ptr<float>(), kt.data_ptr<float>(),
+    const auto kts_ = kt.strides(), vts_ = vt.strides();
+    TORCH_CHECK(kts_[3] == 1 && vts_[3] == 1, "group buffers must be contiguous in their last dimension");
+    const Scatter scatter{H, H_kv, D, g, k, col, pos, (float)scaling, grouped.data_ptr<float>(), keys.data_ptr<float>(),
+                          kt.data_ptr<float>(),
                           vt.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<BFloat16>(), kt.strides(),
                           vt.strides(), ck.strides(), cv.strides()};
     const BFloat16* q = qkv.data_ptr<BFloat16>();
     for (int64_t b = 0; b < B; ++b)
       scatter.row(b, q + b * qkv.size(1), cp + (cos_rows == 1 ? 0 : b * D), sp + (cos_rows == 1 ? 0 : b * D));
-    Tensor scores = at::matmul(grouped, kt.narrow(-1, 0, n));  // (U, H_kv, k·g, n)
-    scores.add_(bias_n);
-    const Tensor out = at::matmul(at::_softmax(scores, -1, false), vt.narrow(2, 0, n));  // (U, H_kv, k·g, D) fp32
-    const float* op = out.data_ptr<float>();
+    scatter.keys_to_groups(B);
+    // attention per group and KV head: both threads, a pair (u, kv) each at a time
+    const int64_t R = k * g, np = (n + 15) / 16 * 16;
     BFloat16* ap = attended.data_ptr<BFloat16>();
-    for (int64_t u = 0; u < U; ++u)  // (U, H_kv, k·g, D) -> (B, H·D): row j of group u, query head kv·g + hq
-      for (int64_t kv = 0; kv < H_kv; ++kv)
-        for (int64_t j = 0; j < k; ++j)
+    const float* gq = grouped.data_ptr<float>();
+    const float* kp = kt.data_ptr<float>();
+    const float* vp = vt.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
+    const auto bs = bias.strides();
+    const bool bias_per_group = bias.size(0) > 1;
+    at::parallel_for(0, U * H_kv, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> scratch(R * np), out(R * D);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t u = p / H_kv, kv = p % H_kv;
+        const GroupAttention att{R, D, n, gq + (u * H_kv + kv) * R * D, kp + u * kts_[0] + kv * kts_[1],
+                                 vp + u * vts_[0] + kv * vts_[1], bp + (bias_per_group ? u * bs[0] : 0),
+                                 kts_[2], vts_[2], bs[2], scratch.data()};
+        att.run(out.data());
+        for (int64_t j = 0; j < k; ++j)  // row j of group u, query head kv·g + hq -> attended (B, H·D), bf16
           for (int64_t hq = 0; hq < g; ++hq) {
-            const float* src = op + ((u * H_kv + kv) * (k * g) + j * g + hq) * D;
+            const float* src = out.data() + (j * g + hq) * D;
             BFloat16* dst = ap + (u * k + j) * (H * D) + (kv * g + hq) * D;
             int64_t d = 0;
             for (; d + 16 <= D; d += 16) store_bf16(dst + d, _mm512_loadu_ps(src + d));
             for (; d < D; ++d) dst[d] = (BFloat16)src[d];
           }
+      }
+    });
     const Tensor o = packed_linear(attended, w_o[i], b_o.get(i));  // (B, C) bf16
     add_rms_norm_bf16(h.data_ptr<float>(), o.data_ptr<BFloat16>(), norm_post[i].data_ptr<float>(), (float)eps_post[i],
                       x.data_ptr<BFloat16>(), B, C);
