@@ -220,7 +220,9 @@ struct GroupAttention {
 #pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) acc[rr] = _mm512_setzero_ps();
       const float* kc = kt + c * 16;
+      const bool fetch = r0 == 0 && c + 2 < n16;  // the first row block reads K_t from memory: fetch 2 chunks ahead
       for (int64_t d = 0; d < D; ++d) {
+        if (fetch) _mm_prefetch((const char*)(kc + 32 + d * kt_stride), _MM_HINT_T0);
         const __m512 kv = _mm512_maskz_loadu_ps(m, kc + d * kt_stride);
 #pragma GCC unroll 4
         for (int rr = 0; rr < ROWS; ++rr) acc[rr] = _mm512_fmadd_ps(_mm512_set1_ps(qr[rr * D + d]), kv, acc[rr]);
@@ -251,8 +253,12 @@ struct GroupAttention {
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) acc[rr][t] = _mm512_setzero_ps();
       const float* pr = scores + r0 * np;
+      const bool fetch = r0 == 0;  // the first row block reads V from memory: fetch 8 columns ahead
       for (int64_t c = 0; c < n; ++c) {
         const float* vr = v + c * v_stride + d0;
+        if (fetch && c + 8 < n)
+          for (int64_t t = 0; t < std::min<int64_t>(64, D - d0); t += 16)
+            _mm_prefetch((const char*)(vr + 8 * v_stride + t), _MM_HINT_T0);
         __m512 vv[4];
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) vv[t] = _mm512_maskz_loadu_ps(dm[t], vr + 16 * t);
@@ -373,8 +379,10 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
                           vt.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<BFloat16>(), kt.strides(),
                           vt.strides(), ck.strides(), cv.strides()};
     const BFloat16* q = qkv.data_ptr<BFloat16>();
-    for (int64_t b = 0; b < B; ++b)
-      scatter.row(b, q + b * qkv.size(1), cp + (cos_rows == 1 ? 0 : b * D), sp + (cos_rows == 1 ? 0 : b * D));
+    at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // rows write disjoint memory
+      for (int64_t b = b0; b < b1; ++b)
+        scatter.row(b, q + b * qkv.size(1), cp + (cos_rows == 1 ? 0 : b * D), sp + (cos_rows == 1 ? 0 : b * D));
+    });
     scatter.keys_to_groups(B);
     // attention per group and KV head: both threads, a pair (u, kv) each at a time
     const int64_t R = k * g, np = (n + 15) / 16 * 16;
