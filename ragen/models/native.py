@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -33,9 +34,10 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 #: no FMA contraction, so the rotary embedding rounds each product as the Python step does.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 NAME = "ragen_native"
-_REQUIRED_FLAGS = ("avx512f", "avx512_bf16")
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 _reason: str | None = None
+_lock = threading.Lock()  # one build or load per process, even when threads (Ray actors' rollouts) ask at once
 
 
 def cache_dir() -> Path:
@@ -89,6 +91,11 @@ def _ninja_dir() -> str:
 @functools.cache
 def ops():
     """``torch.ops.ragen_native`` once the library is loaded (built first if this machine has none), else None."""
+    with _lock:
+        return _load()
+
+
+def _load():
     global _reason
     flags = set(" ".join(_cpuinfo().get("flags", ())).split())
     missing = [f for f in _REQUIRED_FLAGS if f not in flags]

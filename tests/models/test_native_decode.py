@@ -67,12 +67,15 @@ def test_silu_mul_kernel_edge_values():
     torch.testing.assert_close(got[~got.isnan()], expected[~expected.isnan()], rtol=2 ** -7, atol=0)
 
 
-ODD = dict(SMALL, hidden_size=84, intermediate_size=100)  # head_dim 14, widths not multiples of 16: the scalar tails
+#: head_dim 14, widths not multiples of 16 (the kernels' masked and scalar tails); head_dim 80 in two KV heads of two
+#: query heads (the attention's output in chunks of 64 columns, the second one partial)
+ODD = dict(SMALL, hidden_size=84, intermediate_size=100)
+WIDE = dict(SMALL, hidden_size=320, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
 
 
-def odd_model(seed: int = 0):
+def odd_model(seed: int = 0, config=ODD):
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**ODD)).eval()
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
 
 def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, ops, tokens=None):
@@ -115,10 +118,10 @@ def prompts(vocab: int, seed: int = 0, pads=(0, 3, 5)):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_bias", "odd"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_bias", "odd", "wide"])
 @pytest.mark.parametrize("group,pads", [(3, (0, 3, 5)), (4, (0, 0)), (1, (2, 0, 0, 1))])
 def test_native_steps_are_as_close_to_fp32_as_the_python_steps(kind, group, pads):
-    model = odd_model(3) if kind == "odd" else small_model(kind, seed=3)
+    model = odd_model(3) if kind == "odd" else odd_model(3, WIDE) if kind == "wide" else small_model(kind, seed=3)
     ids, mask = prompts(model.config.vocab_size, seed=group, pads=pads)
     steps = 5
     exact, tokens, _, _ = grouped_run(model, ids, mask, group, steps, torch.float32, None)
@@ -205,21 +208,21 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_p
     broken = tmp_path / "decode_step.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE", broken)
-    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx512f avx512_bf16",)})
+    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx512f avx512bw avx512vl avx512_bf16",)})
     monkeypatch.setenv("RAGEN_NATIVE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_reason", native._reason)  # restored after the test
     with pytest.warns(UserWarning, match="native decode kernels unavailable"):
-        assert native.ops.__wrapped__() is None
+        assert native._load() is None
     assert "failed" in native.unavailable_reason()
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is kept
 
 
 def test_cpus_without_avx512_bf16_are_not_tried(monkeypatch):
-    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx2 avx512f",)})
+    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx2 avx512f avx512bw avx512vl",)})
     monkeypatch.setattr(native, "_reason", native._reason)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native.ops.__wrapped__() is None
+        assert native._load() is None
     assert native.unavailable_reason() == "this CPU lacks avx512_bf16"
 
 

@@ -28,8 +28,8 @@
 #include <cmath>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
-#error "ragen's native decode kernels need AVX-512 BF16 (-march=native on a CPU with avx512_bf16)"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__)
+#error "ragen's native decode kernels need AVX-512 F/BW/VL and BF16 (-march=native on a CPU with avx512_bf16)"
 #endif
 
 using at::BFloat16;
