@@ -105,6 +105,8 @@ def _load():
     if os.environ.get("RAGEN_NATIVE", "1") == "0":
         _reason = "RAGEN_NATIVE=0"
         return None
+    if _registered():  # a racing first call (functools.cache does not serialise them) loaded it already
+        return torch.ops.ragen_native
     target = cache_dir() / f"{NAME}-{library_key()}.so"
     try:
         if target.exists():
@@ -118,6 +120,14 @@ def _load():
         warnings.warn(f"ragen: native decode kernels unavailable, decoding in Python instead: {_reason}", stacklevel=2)
         return None
     return torch.ops.ragen_native
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.ragen_native.decode_grouped  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def unavailable_reason() -> str | None:

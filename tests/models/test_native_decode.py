@@ -211,6 +211,7 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_p
     monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx512f avx512bw avx512vl avx512_bf16",)})
     monkeypatch.setenv("RAGEN_NATIVE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_reason", native._reason)  # restored after the test
+    monkeypatch.setattr(native, "_registered", lambda: False)  # as in a process that has not loaded it yet
     with pytest.warns(UserWarning, match="native decode kernels unavailable"):
         assert native._load() is None
     assert "failed" in native.unavailable_reason()
