@@ -4,7 +4,7 @@
 :func:`unavailable_reason` saying why. The source is compiled with torch's own extension builder
 (``torch.utils.cpp_extension.load``, ninja and the machine's C++ compiler, ``-O3 -march=native``) on first use:
 ~15 s on the 2-core EPYC. Each build runs in its own temporary directory; the library is then moved into
-``$RAGEN_NATIVE_DIR`` (default ``~/.cache/ragen/native``) under a name that hashes the source, the flags, torch's
+``$RAGEN_NATIVE_DIR`` (default ``native/`` in ragen's cache, ``~/.cache/ragen``) under a name that hashes the source, the flags, torch's
 version and the CPU's flags, so concurrent builders (pytest-xdist workers, Ray actors) never wait on a lock a killed
 build left behind, and a changed source or another machine sharing the directory never loads a stale library.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ragen.models.embedded import cache_root
 from ragen.models.precision import _cpuinfo
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
@@ -41,10 +42,11 @@ _lock = threading.Lock()  # one build or load per process, even when threads (Ra
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept: ``$RAGEN_NATIVE_DIR``, else ``$XDG_CACHE_HOME/ragen/native`` (``~/.cache``)."""
+    """Where built libraries are kept: ``$RAGEN_NATIVE_DIR``, else ``native/`` under ragen's cache root
+    (``$RAGEN_CACHE_DIR``, default ``~/.cache/ragen``, as the embedded model's)."""
     if os.environ.get("RAGEN_NATIVE_DIR"):
         return Path(os.environ["RAGEN_NATIVE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ragen" / "native"
+    return cache_root() / "native"
 
 
 def library_key() -> str:
