@@ -8,7 +8,7 @@ kernel computes the 30 layers without returning to Python. Same arithmetic as th
 (``tests/models/test_native_decode.py``).
 
 Measured on the 2-core Zen 5 EPYC (bf16, SmolLM2-135M, batch 32, groups of 4, 32 new tokens; calls alternated in one
-process): ``docs/performance.md``, "native decode step".
+process): ``docs/performance.md``, "native (C++) grouped step".
 """
 
 from __future__ import annotations
