@@ -17,6 +17,9 @@ import torch
 
 from ragen.models.growing_cache import GrowingLayer
 
+#: The kernel's largest head dimension (``kMaxHeadDim`` in ``csrc/decode_step.cpp``); wider heads decode in Python.
+MAX_HEAD_DIM = 512
+
 
 def can_run(weights, cache, prefix) -> bool:
     """Whether :func:`grouped_step` computes this step (the caller already checked the step is a grouped one)."""
@@ -25,7 +28,8 @@ def can_run(weights, cache, prefix) -> bool:
     if not all(type(layer) is GrowingLayer and layer.keys is not None and layer.keys.dim() == 4 for layer in cache.layers):
         return False
     layer = cache.layers[0]
-    return (layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+    head_dim = layer.keys.shape[-1]
+    return (head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
             and weights.norm.dtype == torch.float32 and all(w.norm_in.dtype == torch.float32 for w in weights.layers)
             and prefix.keys_t[0].dtype == torch.float32)
 

@@ -233,3 +233,16 @@ def test_the_library_key_follows_the_source(monkeypatch, tmp_path):
     changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
     monkeypatch.setattr(native, "SOURCE", changed)
     assert native.library_key() != first
+
+
+@needs_native
+def test_heads_wider_than_the_kernel_takes_decode_in_python(monkeypatch):
+    from ragen.models import native_decode
+
+    model = small_model("llama", seed=4)
+    ids, mask = prompts(model.config.vocab_size, seed=4)
+    monkeypatch.setattr(native_decode, "MAX_HEAD_DIM", 8)  # the small model's heads are 16 wide
+    ported, tokens, _, prefix = grouped_run(model, ids, mask, 3, 2, torch.bfloat16, OPS)
+    python, _, _, _ = grouped_run(model, ids, mask, 3, 2, torch.bfloat16, None, tokens)
+    assert prefix.native_steps == 0 and prefix.own_steps == 2  # grouped steps, in Python
+    assert all(torch.equal(a, b) for a, b in zip(ported, python))
