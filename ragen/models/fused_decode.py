@@ -511,9 +511,11 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
         if attention_mask is not None and not bool(attention_mask.all()):
             padding = (attention_mask == 0)[:, None, None, :]  # (B, 1, 1, L + 1): columns no query may read
         grouped = prefix is not None and prefix.grouped_step(past, padding)
-        if grouped and native is not None and native_decode.can_run(weights, cache, prefix):
-            prefix.native_steps += 1
-            return native_decode.grouped_step(native, model, weights, h, cos, sin, cache, prefix, past).unsqueeze(1)
+        if grouped and native is not None and native_decode.can_run(weights, cache, prefix, model):
+            logits = native_decode.grouped_step(native, model, weights, h, cos, sin, cache, prefix, past)
+            if logits is not None:  # None: the kernel refused the step, which runs below
+                prefix.native_steps += 1
+                return logits.unsqueeze(1)
         for i, w in enumerate(weights.layers):
             x = _rms_norm(h, w.norm_in, w.eps_in).to(dtype)  # (B, C)
             qkv = w.qkv(x)  # (B, H·D + 2·H_kv·D)

@@ -66,17 +66,21 @@ def _build(target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-    path = os.environ.get("PATH", "")
+    path = os.environ.get("PATH")
     try:
         # torch runs `ninja` from PATH: the ninja package's binary sits beside this interpreter, which an unactivated
         # venv (`.venv/bin/ragen ...`) does not put on PATH
         os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path]) if path else _ninja_dir()
-        # loads the library from the build directory too (registering torch.ops.ragen_native in this process)
-        load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS), is_python_module=False,
-             build_directory=str(build), verbose=False)
-        os.replace(build / f"{NAME}.so", target)
+        # loads the library from the build directory too (registering torch.ops.ragen_native in this process) and
+        # returns its path
+        built = load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS), is_python_module=False,
+                     build_directory=str(build), verbose=False)
+        os.replace(built, target)
     finally:
-        os.environ["PATH"] = path
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
         shutil.rmtree(build, ignore_errors=True)
 
 
@@ -109,16 +113,20 @@ def _load():
         return None
     if _registered():  # a racing first call (functools.cache does not serialise them) loaded it already
         return torch.ops.ragen_native
-    target = cache_dir() / f"{NAME}-{library_key()}.so"
+    if _reason is not None and _reason.startswith("building"):  # a racing first call failed already: not again
+        return None
     try:
+        target = cache_dir() / f"{NAME}-{library_key()}.so"
         if target.exists():
             torch.ops.load_library(str(target))
         else:
             _build(target)
         op = torch.ops.ragen_native.decode_grouped  # noqa: F841 (raises if the library did not register it)
     except Exception as e:  # noqa: BLE001 (any build or load failure: the Python path runs instead)
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        _reason = f"building {SOURCE.name} failed ({type(e).__name__}: {first[:300]})"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]  # the compiler's own messages, if any
+        detail = " | ".join((errors or lines or [type(e).__name__])[:3])
+        _reason = f"building {SOURCE.name} failed ({type(e).__name__}: {detail[:600]})"
         warnings.warn(f"ragen: native decode kernels unavailable, decoding in Python instead: {_reason}", stacklevel=2)
         return None
     return torch.ops.ragen_native

@@ -13,6 +13,8 @@ process): ``docs/performance.md``, "native (C++) grouped step".
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ragen.models.growing_cache import GrowingLayer
@@ -21,9 +23,15 @@ from ragen.models.growing_cache import GrowingLayer
 MAX_HEAD_DIM = 512
 
 
-def can_run(weights, cache, prefix) -> bool:
+#: Set when the kernel raised during a step (its first error): every later step of the process runs in Python.
+failed: str | None = None
+
+
+def can_run(weights, cache, prefix, model=None) -> bool:
     """Whether :func:`grouped_step` computes this step (the caller already checked the step is a grouped one)."""
-    if weights.dtype != torch.bfloat16 or not all(linear.packed for linear in weights.linears()):
+    if failed is not None or weights.dtype != torch.bfloat16 or not all(linear.packed for linear in weights.linears()):
+        return False
+    if model is not None and model.model.embed_tokens.weight.dtype != torch.float32:  # the residual stream's dtype
         return False
     if not all(type(layer) is GrowingLayer and layer.keys is not None and layer.keys.dim() == 4 for layer in cache.layers):
         return False
@@ -37,7 +45,11 @@ def can_run(weights, cache, prefix) -> bool:
 def grouped_step(ops, model, weights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, prefix,
                  past: int) -> torch.Tensor:
     """Logits ``(B, V)`` bf16 of one grouped decode step: ``h`` ``(B, C)`` fp32 embeddings, ``cos``/``sin_signed``
-    ``(B | 1, 1, D)`` fp32; the step's keys and values appended to ``cache`` (column ``past``) and ``prefix``."""
+    ``(B | 1, 1, D)`` fp32; the step's keys and values appended to ``cache`` (column ``past``) and ``prefix``.
+
+    None if the kernel refused the step (warned once; :data:`failed` keeps later steps in Python): the cache and
+    ``prefix`` then hold no new column, only room for one, and the caller computes the step in Python."""
+    global failed
     config = model.config
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = cos.shape[-1]
@@ -49,14 +61,25 @@ def grouped_step(ops, model, weights, h: torch.Tensor, cos: torch.Tensor, sin_si
     for layer in cache.layers:
         if layer.reserve(1) != past:
             raise RuntimeError(f"cache layer holds {layer.keys.shape[-2]} columns, the step expects {past}")
-    logits = ops.decode_grouped(
+    try:
+        logits = _call(ops, weights, h, cos, sin_signed, cache, prefix, n, past, H, H_kv, D)
+    except RuntimeError as error:  # a check in the kernel refused the step: nothing is advanced yet, Python redoes it
+        failed = str(error).splitlines()[0] if str(error) else type(error).__name__
+        warnings.warn(f"ragen: the native decode step failed ({failed}); decoding in Python from here on",
+                      stacklevel=2)
+        return None
+    for layer in cache.layers:
+        layer.advance(1)
+    prefix.own_steps += 1
+    return logits
+
+
+def _call(ops, weights, h, cos, sin_signed, cache, prefix, n: int, past: int, H: int, H_kv: int, D: int):
+    L = weights.layers
+    return ops.decode_grouped(
         h, cos, sin_signed, [w.norm_in for w in L], [w.eps_in for w in L], [w.qkv.weight for w in L],
         [w.qkv.bias for w in L], [w.o.weight for w in L], [w.o.bias for w in L], [w.norm_post for w in L],
         [w.eps_post for w in L], [w.gate_up.weight for w in L], [w.down.weight for w in L], prefix.keys_t,
         prefix.values, [layer._key_buffer for layer in cache.layers], [layer._value_buffer for layer in cache.layers],
         prefix.grouped_bias, prefix.group, n - prefix.group, past, H, H_kv, D ** -0.5, weights.norm, weights.norm_eps,
         weights.head.weight)  # (B, V)
-    for layer in cache.layers:
-        layer.advance(1)
-    prefix.own_steps += 1
-    return logits

@@ -13,7 +13,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from ragen.models import native
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
-from ragen.models.fused_decode import FusedWeights, SharedPrefix, _rms_norm, decode_step
+from ragen.models.fused_decode import OWN_CHUNK, FusedWeights, SharedPrefix, _rms_norm, decode_step
 from ragen.models.growing_cache import GrowingLayer, make_growing
 
 from tests.models.small_models import SMALL, small_model
@@ -78,11 +78,13 @@ def odd_model(seed: int = 0, config=ODD):
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
 
-def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, ops, tokens=None):
+def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, ops, tokens=None, room=None,
+                positions_given: bool = True):
     """Prefill ``U`` prompts, copy each to ``group`` rows, then ``steps`` fused decode steps with a shared prefix.
 
     Returns each step's logits ``(B, V)`` fp32, the tokens fed, the cache and the prefix. ``tokens`` (one ``(B, 1)``
-    per step) are fed if given, else each step's argmax."""
+    per step) are fed if given, else each step's argmax. ``room``: the cache's spare columns (default: all steps);
+    without ``positions_given`` the steps pass no positions (every row at the cache's length, one cos row)."""
     U, W = ids.shape
     rows = torch.arange(U).repeat_interleave(group)
     bf16 = dtype == torch.bfloat16
@@ -90,7 +92,7 @@ def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, op
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         cache = DynamicCache(config=model.config)
         model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **with_cache(cache))
-        make_growing(cache, W + steps + 2)
+        make_growing(cache, W + (steps + 2 if room is None else room))
         padding = mask[:, :-1] == 0
         prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=steps)
         cache.reorder_cache(rows)
@@ -99,7 +101,8 @@ def grouped_run(model, ids, mask, group: int, steps: int, dtype: torch.dtype, op
         token = ids[rows, -1:]
         positions = m.sum(1, keepdim=True) - 1
         for step in range(steps):
-            logits = decode_step(model, weights, token, m, positions, cache, prefix, native=ops)[:, 0].float()
+            logits = decode_step(model, weights, token, m, positions if positions_given else None, cache, prefix,
+                                 native=ops)[:, 0].float()
             out.append(logits)
             fed.append(token)
             token = tokens[step + 1] if tokens is not None and step + 1 < len(tokens) else logits.argmax(-1, keepdim=True)
@@ -246,3 +249,50 @@ def test_heads_wider_than_the_kernel_takes_decode_in_python(monkeypatch):
     python, _, _, _ = grouped_run(model, ids, mask, 3, 2, torch.bfloat16, None, tokens)
     assert prefix.native_steps == 0 and prefix.own_steps == 2  # grouped steps, in Python
     assert all(torch.equal(a, b) for a, b in zip(ported, python))
+
+
+@needs_native
+@pytest.mark.parametrize("positions_given", [True, False])
+def test_native_steps_through_buffer_growth(positions_given):
+    """More steps than a group buffer's first chunk (OWN_CHUNK) and a cache with two spare columns: both regrow
+    between native steps, and the kernel must get the new buffers."""
+    model = small_model("qwen2", seed=6)
+    pads = (0, 3, 5) if positions_given else (0, 0, 0)  # no positions: rows at the cache's length, so no padding
+    ids, mask = prompts(model.config.vocab_size, seed=6, pads=pads)
+    steps = OWN_CHUNK + 6
+    exact, tokens, _, _ = grouped_run(model, ids, mask, 3, steps, torch.float32, None, positions_given=positions_given)
+    python, _, py_cache, _ = grouped_run(model, ids, mask, 3, steps, torch.bfloat16, None, tokens, room=2,
+                                         positions_given=positions_given)
+    ported, _, nat_cache, nat_prefix = grouped_run(model, ids, mask, 3, steps, torch.bfloat16, OPS, tokens, room=2,
+                                                   positions_given=positions_given)
+    assert nat_prefix.native_steps == steps and nat_prefix.keys_t[0].shape[-1] > nat_prefix.length + OWN_CHUNK * 3
+    assert nat_cache.layers[0]._key_buffer.shape[-2] > ids.shape[1] + 2  # the cache regrew
+    for step in range(steps):
+        py_err, nat_err = (python[step] - exact[step]).abs(), (ported[step] - exact[step]).abs()
+        assert nat_err.max() <= 2 * py_err.max() + 1e-3 and nat_err.mean() <= 2 * py_err.mean() + 1e-4, step
+    for nat, py in zip(nat_cache.layers, py_cache.layers):
+        assert nat.keys.shape == py.keys.shape
+        torch.testing.assert_close(nat.keys, py.keys, rtol=0.05, atol=0.05)
+
+
+@needs_native
+def test_a_step_the_kernel_refuses_runs_in_python_with_one_warning(monkeypatch):
+    from ragen.models import native_decode
+
+    class Refusing:
+        calls = 0
+
+        def decode_grouped(self, *args):
+            Refusing.calls += 1
+            raise RuntimeError("cache values must be bf16\nmore detail")
+
+    monkeypatch.setattr(native_decode, "failed", None)
+    model = small_model("llama", seed=7)
+    ids, mask = prompts(model.config.vocab_size, seed=7)
+    python, tokens, _, _ = grouped_run(model, ids, mask, 3, 3, torch.bfloat16, None)
+    with pytest.warns(UserWarning, match="native decode step failed") as caught:
+        refused, _, _, prefix = grouped_run(model, ids, mask, 3, 3, torch.bfloat16, Refusing(), tokens)
+    assert len([w for w in caught if "native decode" in str(w.message)]) == 1 and Refusing.calls == 1
+    assert native_decode.failed == "cache values must be bf16"
+    assert prefix.native_steps == 0 and prefix.own_steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(refused, python))  # the Python step, as if the kernel were off

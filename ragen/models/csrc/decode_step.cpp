@@ -339,22 +339,31 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
                       const Tensor& bias, int64_t group, int64_t col, int64_t pos, int64_t H, int64_t H_kv,
                       double scaling, const Tensor& norm, double norm_eps, const Tensor& w_head) {
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat, "embeddings must be (B, C) fp32");
-  Tensor h = embeddings.contiguous().clone();  // (B, C) fp32: the residual stream, updated in place
-  const int64_t B = h.size(0), C = h.size(1), L = norm_in.size();
-  const int64_t D = cos.size(-1), g = H / H_kv, k = group, U = B / k, n = col + group;
-  TORCH_CHECK(H % H_kv == 0 && B % k == 0 && D % 2 == 0 && D <= kMaxHeadDim, "unsupported head layout");
+  TORCH_CHECK(H > 0 && H_kv > 0 && H % H_kv == 0 && group > 0 && col >= 0 && pos >= 0, "unsupported head layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+                  cos.dim() >= 1, "cos and sin must be fp32 of one shape");
+  const int64_t B = embeddings.size(0), C = embeddings.size(1), L = norm_in.size();
+  const int64_t D = cos.size(-1);
+  TORCH_CHECK(D > 0 && D % 2 == 0 && D <= kMaxHeadDim && B % group == 0 && B > 0, "unsupported head layout");
+  const int64_t g = H / H_kv, k = group, U = B / k, n = col + group;
   TORCH_CHECK((int64_t)eps_in.size() == L && (int64_t)w_qkv.size() == L && (int64_t)b_qkv.size() == L &&
                   (int64_t)w_o.size() == L && (int64_t)b_o.size() == L && (int64_t)norm_post.size() == L &&
                   (int64_t)eps_post.size() == L && (int64_t)w_gate_up.size() == L && (int64_t)w_down.size() == L &&
                   (int64_t)keys_t.size() == L && (int64_t)values.size() == L && (int64_t)cache_k.size() == L &&
                   (int64_t)cache_v.size() == L,
               "every per-layer list must have one entry per layer");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos and sin must be fp32");
+  auto is_norm = [&](const Tensor& w) {
+    return w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == C;
+  };
+  TORCH_CHECK(is_norm(norm), "norm weights must be fp32, contiguous, of C elements");
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(is_norm(norm_in[i]) && is_norm(norm_post[i]), "norm weights must be fp32, contiguous, of C elements");
   const int64_t cos_rows = cos.numel() / D;
   TORCH_CHECK(cos_rows == 1 || cos_rows == B, "cos must be (1 | B, 1, D)");
   TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 4 && (bias.size(0) == 1 || bias.size(0) == U) &&
                   bias.size(-2) == k * g && bias.size(-1) >= n && bias.stride(-1) == 1,
               "bias must be fp32 (U | 1, 1, k·g, >= n), contiguous in its last dimension");
+  Tensor h = embeddings.contiguous().clone();  // (B, C) fp32: the residual stream, updated in place
   const Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   const float* cp = cos_c.data_ptr<float>();
   const float* sp = sin_c.data_ptr<float>();
@@ -412,13 +421,19 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
       }
     });
     const Tensor o = packed_linear(attended, w_o[i], b_o.get(i));  // (B, C) bf16
+    TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kBFloat16 && o.size(0) == B && o.size(1) == C,
+                "the o projection must give (B, C) bf16");
     add_rms_norm_bf16(h.data_ptr<float>(), o.data_ptr<BFloat16>(), norm_post[i].data_ptr<float>(), (float)eps_post[i],
                       x.data_ptr<BFloat16>(), B, C);
     const Tensor gate_up = packed_linear(x, w_gate_up[i], std::nullopt);  // (B, 2·I) bf16
+    TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(0) == B &&
+                    gate_up.size(1) % 2 == 0, "the gate/up projection must give (B, 2·I) bf16");
     const int64_t I = gate_up.size(1) / 2;
     Tensor act = at::empty({B, I}, bf);
     silu_mul_bf16(gate_up.data_ptr<BFloat16>(), act.data_ptr<BFloat16>(), B, I);
     down = packed_linear(act, w_down[i], std::nullopt);  // (B, C) bf16
+    TORCH_CHECK(down.is_contiguous() && down.scalar_type() == at::kBFloat16 && down.size(0) == B && down.size(1) == C,
+                "the down projection must give (B, C) bf16");
   }
   add_rms_norm_bf16(h.data_ptr<float>(), down.defined() ? down.data_ptr<BFloat16>() : nullptr, norm.data_ptr<float>(),
                     (float)norm_eps, x.data_ptr<BFloat16>(), B, C);
