@@ -252,6 +252,14 @@ def generate_section(torch, model, tokenizer, args) -> None:
               f"fp32 peak {fp32_peak:.1f} GFLOP/s (before {p0:.1f}, after {p1:.1f})", flush=True)
 
 
+def grouped_prompts(tokenizer, batch: int, lengths_differ: bool = True) -> list[list[int]]:
+    """``batch`` prompt rows in groups of 4 sharing a prompt; with ``lengths_differ`` the prompts' lengths differ
+    between groups (a padding mask), else all are equally long."""
+    words = [14 + (3 * g % 11 if lengths_differ else 0) for g in range(max(1, batch // 4))]
+    texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
+    return [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:batch]
+
+
 def attention_section(torch, model, tokenizer, args) -> None:
     """``decode_attention`` off/on (:mod:`ragen.models.decode_attention`), at the run's precision, with and without padding."""
     from ragen.models.backend import HFBackend, SamplingParams
@@ -263,9 +271,7 @@ def attention_section(torch, model, tokenizer, args) -> None:
           f"exactly {args.new_tokens} new tokens, {args.rounds} alternated rounds (+1 warm-up), seed 0 per call")
     for B in args.batches:
         for layout in ("equal lengths (no padding mask)", "lengths differ (padding mask)"):
-            words = [14 + (3 * g % 11 if layout.startswith("lengths differ") else 0) for g in range(max(1, B // 4))]
-            texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
-            prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+            prompts = grouped_prompts(tokenizer, B, lengths_differ=layout.startswith("lengths differ"))
             times, tokens = {False: [], True: []}, {}
             for r, on in alternate([False, True], args.rounds + 1):
                 backend = HFBackend(model, tokenizer, precision=precision, decode_attention=on, fused_decode=False)
@@ -292,9 +298,7 @@ def fused_section(torch, model, tokenizer, args) -> None:
           f"differ between groups: a padding mask), exactly {args.new_tokens} new tokens, {args.rounds} alternated rounds "
           f"(+1 warm-up), seed 0 per call; MFU = 2·N·generated tokens / decode seconds / {precision} matmul peak")
     for B in args.batches:
-        words = [14 + 3 * g % 11 for g in range(max(1, B // 4))]
-        texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
-        prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+        prompts = grouped_prompts(tokenizer, B)
         p0 = peak(torch, precision)
         times, tokens, steps = {False: [], True: []}, {}, {}
         for r, on in alternate([False, True], args.rounds + 1):
@@ -331,9 +335,7 @@ def native_section(torch, model, tokenizer, args) -> None:
           f"per prompt (lengths differ between groups), exactly {args.new_tokens} new tokens, {args.rounds} alternated "
           f"rounds (+1 warm-up), seed 0 per call; MFU = 2·N·generated tokens / whole call seconds / {precision} matmul peak")
     for B in args.batches:
-        words = [14 + 3 * g % 11 for g in range(max(1, B // 4))]
-        texts = [f"Game {g}: " + "push the box onto the target. " * w for g, w in enumerate(words)]
-        prompts = [tokenizer(t)["input_ids"] for t in texts for _ in range(4)][:B]
+        prompts = grouped_prompts(tokenizer, B)
         p0 = peak(torch, precision)
         backends = {on: HFBackend(model, tokenizer, precision=precision, native_decode=on) for on in (False, True)}
         calls, decode, tokens = {False: [], True: []}, {False: [], True: []}, {}
