@@ -238,6 +238,8 @@ class FusedWeights:
         self.head = linear("head", weight("head", model.lm_head.weight))  # (V, C)
         #: Whether MKL-backed linears wait for :meth:`pack_rows`.
         self.rows_pending = any(linear.mkl for linear in self.linears())
+        #: Whether every projection and the head run on oneDNN-packed weights (what the C++ step takes).
+        self.all_packed = all(linear.packed for linear in self.linears())
 
     def linears(self):
         """Every projection, layer by layer, then the head."""

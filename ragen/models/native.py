@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ragen.models.embedded import cache_root
-from ragen.models.precision import _cpuinfo
+from ragen.models.precision import cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 #: Compiler flags: -march=native for AVX-512 BF16 (the library is built on, and kept for, the machine that runs it);
@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 def library_key() -> str:
     """A hash of everything the built library depends on: the source, the flags, torch, Python and the CPU's flags."""
-    flags = " ".join(sorted(set(" ".join(_cpuinfo().get("flags", ())).split())))
+    flags = " ".join(sorted(cpu_flags()))
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), repr(FLAGS).encode(), torch.__version__.encode(),
                  torch.__file__.encode(), flags.encode(), str(sys.version_info[:2]).encode()):
@@ -103,7 +103,7 @@ def ops():
 
 def _load():
     global _reason
-    flags = set(" ".join(_cpuinfo().get("flags", ())).split())
+    flags = cpu_flags()
     missing = [f for f in _REQUIRED_FLAGS if f not in flags]
     if missing:
         _reason = f"this CPU lacks {', '.join(missing)}"
@@ -121,7 +121,8 @@ def _load():
             torch.ops.load_library(str(target))
         else:
             _build(target)
-        op = torch.ops.ragen_native.decode_grouped  # noqa: F841 (raises if the library did not register it)
+        if not _registered():
+            raise RuntimeError(f"{target.name} registered no ragen_native::decode_grouped")
     except Exception as e:  # noqa: BLE001 (any build or load failure: the Python path runs instead)
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]  # the compiler's own messages, if any

@@ -29,7 +29,7 @@ failed: str | None = None
 
 def can_run(weights, cache, prefix, model=None) -> bool:
     """Whether :func:`grouped_step` computes this step (the caller already checked the step is a grouped one)."""
-    if failed is not None or weights.dtype != torch.bfloat16 or not all(linear.packed for linear in weights.linears()):
+    if failed is not None or weights.dtype != torch.bfloat16 or not weights.all_packed:
         return False
     if model is not None and model.model.embed_tokens.weight.dtype != torch.float32:  # the residual stream's dtype
         return False
@@ -53,10 +53,9 @@ def grouped_step(ops, model, weights, h: torch.Tensor, cos: torch.Tensor, sin_si
     config = model.config
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = cos.shape[-1]
-    L = weights.layers
     prefix.make_grouped_bias(H // H_kv, h.device)
     n = 0
-    for i in range(len(L)):
+    for i in range(len(weights.layers)):
         n = prefix.reserve_own(i)
     for layer in cache.layers:
         if layer.reserve(1) != past:

@@ -34,10 +34,16 @@ def _cpuinfo() -> dict[str, tuple[str, ...]]:
     return {key: tuple(values) for key, values in fields.items()}
 
 
+def cpu_flags() -> frozenset[str]:
+    """Every feature flag ``/proc/cpuinfo`` lists for any processor (x86 ``flags``, Arm ``Features``); empty where it
+    cannot be read (not Linux)."""
+    info = _cpuinfo()
+    return frozenset(flag for key in ("flags", "Features") for value in info.get(key, ()) for flag in value.split())
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU advertises bf16 arithmetic (x86 ``avx512_bf16``/``amx_bf16``, Arm ``bf16``)."""
-    info = _cpuinfo()  # not Linux: no flags, be conservative
-    flags = {flag for key in ("flags", "Features") for value in info.get(key, ()) for flag in value.split()}
+    flags = cpu_flags()  # not Linux: no flags, be conservative
     return any(flag in flags for flag in _NATIVE_BF16_FLAGS) or "bf16" in flags
 
 

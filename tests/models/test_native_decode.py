@@ -211,7 +211,7 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_p
     broken = tmp_path / "decode_step.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE", broken)
-    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx512f avx512bw avx512vl avx512_bf16",)})
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
     monkeypatch.setenv("RAGEN_NATIVE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_reason", native._reason)  # restored after the test
     monkeypatch.setattr(native, "_registered", lambda: False)  # as in a process that has not loaded it yet
@@ -222,7 +222,7 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_p
 
 
 def test_cpus_without_avx512_bf16_are_not_tried(monkeypatch):
-    monkeypatch.setattr(native, "_cpuinfo", lambda: {"flags": ("avx2 avx512f avx512bw avx512vl",)})
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512vl"}))
     monkeypatch.setattr(native, "_reason", native._reason)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

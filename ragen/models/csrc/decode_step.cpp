@@ -385,8 +385,8 @@ Tensor decode_grouped(const Tensor& embeddings, const Tensor& cos, const Tensor&
     TORCH_CHECK(kts_[3] == 1 && vts_[3] == 1, "group buffers must be contiguous in their last dimension");
     const Scatter scatter{H, H_kv, D, g, k, col, pos, (float)scaling, grouped.data_ptr<float>(), keys.data_ptr<float>(),
                           kt.data_ptr<float>(),
-                          vt.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<BFloat16>(), kt.strides(),
-                          vt.strides(), ck.strides(), cv.strides()};
+                          vt.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<BFloat16>(), kts_,
+                          vts_, ck.strides(), cv.strides()};
     const BFloat16* q = qkv.data_ptr<BFloat16>();
     at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // rows write disjoint memory
       for (int64_t b = b0; b < b1; ++b)
