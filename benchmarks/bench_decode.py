@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections attention # decode_attention off/on, ~3 min
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections fused     # fused decode step off/on, ~2 min
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections native --batches 32 64 --rounds 5  # C++ step
+    .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections panel --batches 8 16 32 48 64    # fp32 GEMMs
 
 One process; every comparison alternates its arms (A B B A …) so that other work on the
 machine slows both alike. Sections (``--sections``):
@@ -48,9 +49,16 @@ machine slows both alike. Sections (``--sections``):
     decode seconds, the ratio, MFU of each arm against the same run's matmul peak of that precision,
     and how many rows sampled the same tokens.
 ``native``
-    ``HFBackend.generate`` with the native (C++) grouped decode step (:mod:`ragen.models.native_decode`) off vs on,
-    every other lever on, at ``--precision`` (bf16 only: the kernel serves bf16 steps); the same prompts as ``fused``;
+    ``HFBackend.generate`` with ``native_decode`` off vs on, every other lever on, at ``--precision``: in bf16 the C++
+    grouped decode step (:mod:`ragen.models.native_decode`), in fp32 the panel GEMM for the decoder's projections
+    (:mod:`ragen.models.packed_linear`, off Intel); the same prompts as ``fused``;
     median whole-call and decode seconds, each round's off/on ratio, MFU of the whole call, native steps taken.
+
+``panel``
+    Each distinct fp32 linear shape of the model at ``--batches`` rows, weights cycled from memory (> 256 MiB, as in a
+    decode step): ``(W @ hᵀ)ᵀ`` on the plain weight (the fp32 decoder projections' path without panels), oneDNN's
+    packed GEMM (the fp32 head's) and ragen's panel GEMM (``ragen/models/csrc/panel_gemm.cpp``), alternated; median
+    ms and GFLOP/s per arm and the panel GEMM's speed-up over the faster other arm.
 
 Printed first: the command, commit, machine, threads, load; after each section the CPU time
 other processes used meanwhile (contention).
@@ -326,8 +334,8 @@ def native_section(torch, model, tokenizer, args) -> None:
     from ragen.models.precision import resolve_precision
 
     precision = resolve_precision(args.precision)
-    if native.ops() is None:
-        print(f"\n[native] skipped: {native.unavailable_reason()}")
+    if native.ops() is None and native.gemm_ops() is None:
+        print(f"\n[native] skipped: decode step: {native.unavailable_reason()}; panel GEMM: {native.GEMM.reason}")
         return
     n_params = sum(p.numel() for p in model.parameters())
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, min_new_tokens=args.new_tokens)
@@ -358,17 +366,56 @@ def native_section(torch, model, tokenizer, args) -> None:
         print(f"  batch {B}: whole call off {off:.2f} s (MFU {mfu(off):.1%}), on {on:.2f} s (MFU {mfu(on):.1%}), ratio "
               f"{off / on:.2f}x (per round {' '.join(f'{x:.2f}' for x in pairs)}); decode steps off "
               f"{statistics.median(decode[False]):.2f} s, on {statistics.median(decode[True]):.2f} s; native steps "
-              f"{steps.native_steps} of {steps.grouped_steps} grouped; rows with identical tokens {same}/{B} (bf16 "
+              f"{steps.native_steps} of {steps.grouped_steps} grouped; rows with identical tokens {same}/{B} (float "
               f"rounding may change some); {precision} peak {top:.1f} GFLOP/s", flush=True)
 
 
 # ---------------------------------------------------------------------------- main
+def panel_section(torch, model, args) -> None:
+    """fp32 linears at decode rows: ``(W @ hᵀ)ᵀ``, oneDNN-packed and ragen's panel GEMM, weights cycled from memory."""
+    from ragen.models import native
+    from ragen.models.transposed_gemm import transposed_linear
+
+    gemm = native.gemm_ops()
+    if gemm is None:
+        print(f"\n[panel] skipped: {native.GEMM.reason}")
+        return
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear})
+    print(f"\n[panel] fp32 linears per shape (out, in) at {args.batches} rows: W@h^T / oneDNN packed / panel GEMM, weights "
+          f"cycled from memory, median of {args.rounds} alternated rounds (+1 warm-up)")
+    with torch.no_grad():
+        for shape in shapes:
+            plain = [torch.randn(shape) for _ in range(max(2, -(-(256 << 20) // (shape[0] * shape[1] * 4))))]
+            dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in plain]
+            panels = [gemm.pack_panels(w) for w in plain]
+            for M in args.batches:
+                h = torch.randn(M, shape[1])
+                arms = {
+                    "W@h^T": lambda: [transposed_linear(h, w, row_major=False) for w in plain],
+                    "oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(h, w, None, "none", [], "") for w in dnn],
+                    "panel": lambda: [gemm.linear_panels(h, p, shape[0], None) for p in panels],
+                }
+                times = {arm: [] for arm in arms}
+                for r, arm in alternate(list(arms), args.rounds + 1):
+                    t0 = time.perf_counter()
+                    arms[arm]()
+                    if r > 0:
+                        times[arm].append((time.perf_counter() - t0) / len(plain))
+                ms = {arm: med_ms(t) for arm, t in times.items()}
+                flops = 2 * M * shape[0] * shape[1]
+                best_other = min(ms["W@h^T"], ms["oneDNN"])
+                print(f"  {shape} {M:3d} rows: " + ", ".join(f"{a} {v:.3f} ms ({flops / v / 1e6:.0f} GFLOP/s)"
+                                                              for a, v in ms.items())
+                      + f"; panel {best_other / ms['panel']:.2f}x the faster other", flush=True)
+            del plain, dnn, panels
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sections", nargs="+", default=["gemm", "steps", "prefill", "generate"],
-                    choices=["gemm", "steps", "prefill", "generate", "attention", "fused", "native"])
+                    choices=["gemm", "steps", "prefill", "generate", "attention", "fused", "native", "panel"])
     ap.add_argument("--precision", default="auto", help="attention section: trainer.precision (auto: bf16 where the CPU has it)")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[128, 256, 1024], help="more row counts (gemm section)")
@@ -413,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             fused_section(torch, model, tokenizer, args)
         elif name == "native":
             native_section(torch, model, tokenizer, args)
+        elif name == "panel":
+            panel_section(torch, model, args)
         else:
             generate_section(torch, model, tokenizer, args)
         print(f"  ({name}: {section.report()})", flush=True)

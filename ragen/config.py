@@ -149,9 +149,11 @@ class RolloutConfig:
     #: (ragen/models/: transposed_gemm, growing_cache, decode_attention, fused_decode, fused_prefill,
     #: decode_loop; backend.py). Same tokens up to float rounding of the logits; false = transformers' plain path.
     fast_decode: bool = True
-    #: With ``fast_decode``, bf16 decode steps of rows in groups sharing a prompt run all layers in ragen's C++
-    #: kernel (ragen/models/native_decode.py), compiled once per machine on first use (~15 s; needs a C++ compiler
-    #: and AVX-512 BF16; else, with a warning, the same step in Python). Same tokens up to float rounding.
+    #: With ``fast_decode``, ragen's C++ kernels, compiled once per machine on first use (~15 s each; needs a C++
+    #: compiler; else, with a warning, the same arithmetic in Python): bf16 decode steps of rows in groups sharing a
+    #: prompt run all layers in one kernel (ragen/models/native_decode.py, AVX-512 BF16), and fp32 decode steps run
+    #: the decoder's projections on the panel GEMM (ragen/models/packed_linear.py, AVX2, non-Intel CPUs). Same tokens
+    #: up to float rounding.
     native_decode: bool = True
     #: Where episodes are played: ``local`` (in the trainer's process) or ``ray`` (``num_workers``
     #: Ray actors, each holding env slots and a policy replica; see docs/scaling.md).

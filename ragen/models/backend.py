@@ -153,7 +153,8 @@ class HFBackend:
     ``first_from_prefill=True`` lets that prefill run the prompts' last tokens too (once per distinct prompt, or per row
     when resuming kept caches), so the decode loop samples the first token from their logits (:class:`Prefilled`)
     instead of a decode step of every row. All follow ``rollout.fast_decode``. ``native_decode=True`` runs the fused
-    step's bf16 grouped-prefix steps in C++ (:mod:`ragen.models.native_decode`; ``rollout.native_decode``).
+    step's bf16 grouped-prefix steps in C++ (:mod:`ragen.models.native_decode`) and its fp32 projections' decode-sized
+    calls on the C++ panel GEMM (:mod:`ragen.models.packed_linear`; ``rollout.native_decode``).
 
     Under bf16 autocast, frozen fp32 weights (LoRA's base model, a Ray worker's copy) are cast
     to bf16 once per ``generate`` call rather than at every decode step, as trained weights are

@@ -198,7 +198,7 @@ class FusedWeights:
     """
 
     def __init__(self, model, dtype: torch.dtype, pack: bool | frozenset[str] = True, staging: KeptBuffer | None = None,
-                 mkl: frozenset[str] | None = None):
+                 mkl: frozenset[str] | None = None, panel: bool = False):
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
@@ -209,6 +209,10 @@ class FusedWeights:
         packed = (set(PROJECTIONS) if dtype == torch.bfloat16 else {"head"}) if pack is True else set(pack or ())
         if mkl is None:  # MKL's packed GEMM was measured to win on an Intel CPU, not on AMD (where MKL may pick other kernels)
             mkl = FP32_MKL_PROJECTIONS if pack is True and dtype == torch.float32 and intel_cpu() else frozenset()
+        # with panel (fp32, pack=True, MKL not chosen: measured on an AMD CPU) the decoder's projections also keep a copy
+        # for ragen's panel GEMM, which serves their decode-sized calls (PackedLinear, PANEL_MAX_ROWS)
+        panels = (frozenset(PROJECTIONS) - {"head"} if panel and pack is True and dtype == torch.float32 and not mkl
+                  else frozenset())
         cast = lambda w: w.detach().to(dtype) if w is not None else None  # noqa: E731 (a view when the dtype matches)
 
         def weight(name, *parts):  # a packed weight's cast goes through the staging buffer: the reorder copies it
@@ -220,7 +224,7 @@ class FusedWeights:
 
         # unpacked, the head stays F.linear: row-major logits, as generate reads them
         linear = lambda name, w, b=None: PackedLinear(w, b, pack=name in packed, transposed=name != "head",  # noqa: E731
-                                                      mkl=name in mkl)
+                                                      mkl=name in mkl, panel=name in panels)
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
@@ -575,7 +579,8 @@ class FusedDecoder:
         self.shared_prefix_steps = 0
         #: Of the shared-prefix steps, those that also read the rows' own columns per group (:func:`_attend_grouped`).
         self.grouped_steps = 0
-        #: Run bf16 grouped steps through ragen's C++ kernel (:mod:`ragen.models.native_decode`) where it builds.
+        #: Use ragen's C++ kernels where they build: bf16 grouped steps through :mod:`ragen.models.native_decode`, fp32
+        #: projections' decode-sized calls through the panel GEMM (:class:`ragen.models.packed_linear.PackedLinear`).
         self.native = True
         #: Of the grouped steps, those the C++ kernel computed.
         self.native_steps = 0
@@ -597,7 +602,8 @@ class FusedDecoder:
         if self.weights is None or not self.weights.current(model, dtype):
             self.weights = None  # free the old copy before building the new one
             start = time.perf_counter()
-            self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging, mkl=self.mkl)
+            self.weights = FusedWeights(model, dtype, pack=self.pack, staging=self.staging, mkl=self.mkl,
+                                        panel=self.native)
             self.build_s += time.perf_counter() - start
         return self.weights
 

@@ -22,6 +22,12 @@ whole ``generate`` calls of 32 new tokens at batch 32 1.085-1.16x; ``docs/perfor
 for MKL keeps its plain weight for the other calls. Its outputs equalled ``F.linear``'s bit for bit at the
 packed row count there.
 
+In fp32 on an AVX2 CPU ragen's own panel GEMM (``ragen/models/csrc/panel_gemm.cpp``, :data:`ragen.models.native.GEMM`)
+serves calls of up to :data:`PANEL_MAX_ROWS` rows on a copy of the weight packed into 16-column panels: on the
+2-core AVX2 EPYC the decoder's projections ran 1.2-1.9x faster than ``(W @ hᵀ)ᵀ`` and oneDNN's packed GEMM at 8-16
+rows, 0.96-1.35x at 32 (whole calls at batch 32 0.95x), and slower from 48 rows (``bench_decode.py --sections panel``, docs/performance.md); larger
+calls keep the plain weight's path. Sums run in another order than the BLAS's: outputs agree to float rounding.
+
 A packed weight is a copy: it does not follow later changes to the parameter. Owners scope it
 (:class:`~ragen.models.fused_decode.FusedDecoder` keeps it for one rollout session).
 Where torch has no oneDNN (or it refuses the dtype), :class:`PackedLinear` keeps the plain weight and
@@ -35,10 +41,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ragen.models import native
 from ragen.models.transposed_gemm import MAX_ROWS, transposed_linear
 
 #: Row count oneDNN is told to expect when packing (measured: the layout it picks ran equally fast at 1-700 rows).
 _BATCH_HINT = 64
+#: Most rows a call may have to run on the panel GEMM (measured: faster at 8-16 rows, mixed at 32, slower from 48;
+#: whole ``generate`` calls at batch 16 1.11x, at batch 32 0.95x with a bound of 32).
+PANEL_MAX_ROWS = 16
 
 
 @functools.cache
@@ -85,7 +95,7 @@ class PackedLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, transposed: bool = True,
-                 mkl: bool = False):
+                 mkl: bool = False, panel: bool = False):
         weight = weight.detach()
         self.transposed = transposed
         self.out_features, self.in_features = weight.shape
@@ -96,6 +106,13 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT) if self.packed else weight
         self.mkl_weight: torch.Tensor | None = None  # MKL's packed copy, for calls of exactly mkl_rows rows
         self.mkl_rows: int | None = None
+        #: With ``panel`` (fp32 on the CPU, the panel GEMM built) the weight stays plain for larger calls and
+        #: :attr:`panels` gets its panel-packed copy ``(⌈out/16⌉, in, 16)`` at the first call of up to PANEL_MAX_ROWS rows
+        #: (packing SmolLM2's decoder takes ~0.27 s: only calls that use it pay it).
+        self.panels: torch.Tensor | None = None
+        self._gemm = None
+        if panel and not self.packed and not self.mkl and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            self._gemm = native.gemm_ops()
 
     def pack_rows(self, rows: int) -> None:
         """With ``mkl``, pack the weight once for MKL's GEMM at ``rows`` rows (the decode batch); later calls of other
@@ -113,6 +130,10 @@ class PackedLinear:
             flat = x.reshape(-1, self.in_features)  # (M, in)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")  # (M, out) row-major
             return out.view(*x.shape[:-1], self.out_features)
+        if self._gemm is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
+            if self.panels is None:
+                self.panels = self._gemm.pack_panels(self.weight)
+            return self._gemm.linear_panels(x, self.panels, self.out_features, self.bias)  # (M, out) row-major
         if self.mkl_rows is not None and x.dim() == 2 and x.shape[0] == self.mkl_rows:
             return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, self.mkl_rows)  # (M, out)
         if self.transposed and x.dim() == 2 and x.shape[0] <= MAX_ROWS:

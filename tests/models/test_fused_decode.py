@@ -31,7 +31,7 @@ def padded_batch(seed: int = 0, batch: int = 4, width: int = 13, pads=(0, 3, 0, 
 
 
 def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool = False, pack: bool = True,
-                mkl: frozenset[str] | None = None):
+                mkl: frozenset[str] | None = None, native: bool = True):
     """Logits of ``steps`` one-token calls after a prefill, through transformers and through the fused step."""
     out = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -43,6 +43,7 @@ def decode_both(model, ids, mask, steps: int = 3, bf16: bool = False, grow: bool
             c = copy.deepcopy(cache)
             decoder = FusedDecoder(pack=pack)
             decoder.mkl = mkl
+            decoder.native = native
             logits, token, m = [], ids[:, -1:], mask
             with fused_decode_for(model, decoder, enabled=arm == "fused") as switched:
                 assert switched == (arm == "fused")
@@ -88,6 +89,30 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
     for a, b in zip(plain_cache.layers, fused_cache.layers):  # the same keys and values were appended
         torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_bias", "qwen2"])
+def test_fp32_projections_run_on_the_panel_gemm_where_it_builds_off_intel(kind, monkeypatch):
+    import ragen.models.fused_decode as fused_decode
+    from ragen.models import native
+
+    model = small_model(kind)
+    ids, mask = padded_batch()
+    monkeypatch.setattr(fused_decode, "intel_cpu", lambda: False)  # the default off Intel, on any machine
+    out = decode_both(model, ids, mask, grow=True)
+    (plain, _, _), (fused, _, decoder) = out["plain"], out["fused"]
+    on = native.gemm_ops() is not None
+    for w in decoder.weights.layers:  # the decoder's projections made a panel copy (4 rows); the head stays on oneDNN
+        assert all((linear.panels is not None) == on for linear in (w.qkv, w.o, w.gate_up, w.down))
+        assert not any(linear.mkl for linear in (w.qkv, w.o, w.gate_up, w.down))
+    assert decoder.weights.head.panels is None
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    off = decode_both(model, ids, mask, grow=True, native=False)["fused"]
+    assert not any(linear.panels is not None for linear in off[2].weights.linears())
+    torch.testing.assert_close(off[0], fused, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(fused_decode, "intel_cpu", lambda: True)  # there MKL's packed GEMM was measured to win
+    intel = decode_both(model, ids, mask, grow=True)["fused"][2]
+    assert not any(linear.panels is not None for linear in intel.weights.linears())
 
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="torch without MKL's packed GEMM")

@@ -208,34 +208,42 @@ def test_backend_runs_grouped_bf16_steps_natively_and_can_be_told_not_to(tiny):
 
 
 def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_path):
-    broken = tmp_path / "decode_step.cpp"
+    broken = tmp_path / "broken_step.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
+    library = native.NativeLibrary("ragen_test_broken", broken, ("avx2",), "decode_grouped", "native decode kernels")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setenv("RAGEN_NATIVE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_reason", native._reason)  # restored after the test
-    monkeypatch.setattr(native, "_registered", lambda: False)  # as in a process that has not loaded it yet
-    with pytest.warns(UserWarning, match="native decode kernels unavailable"):
-        assert native._load() is None
-    assert "failed" in native.unavailable_reason()
+    with pytest.warns(UserWarning, match="native decode kernels unavailable") as caught:
+        assert library.ops() is None
+        assert library.ops() is None  # tried once: no second build, no second warning
+    assert len(caught) == 1
+    assert "broken_step.cpp failed" in native.unavailable_reason(library)
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is kept
 
 
-def test_cpus_without_avx512_bf16_are_not_tried(monkeypatch):
+@pytest.mark.parametrize("library, missing", [(native.DECODE, "avx512_bf16"), (native.GEMM, "fma")])
+def test_cpus_without_the_kernels_extensions_are_not_tried(monkeypatch, library, missing):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512vl"}))
-    monkeypatch.setattr(native, "_reason", native._reason)
+    monkeypatch.setattr(library, "reason", library.reason)  # restored after the test
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native._load() is None
-    assert native.unavailable_reason() == "this CPU lacks avx512_bf16"
+        assert library.load() is None
+    assert native.unavailable_reason(library) == f"this CPU lacks {missing}"
 
 
-def test_the_library_key_follows_the_source(monkeypatch, tmp_path):
-    first = native.library_key()
-    changed = tmp_path / "decode_step.cpp"
-    changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
-    assert native.library_key() != first
+def test_native_off_is_not_tried(monkeypatch):
+    monkeypatch.setenv("RAGEN_NATIVE", "0")
+    library = native.NativeLibrary("ragen_test_off", native.GEMM.source, (), "linear_panels", "x")
+    assert library.load() is None and library.reason == "RAGEN_NATIVE=0"
+
+
+@pytest.mark.parametrize("library", [native.DECODE, native.GEMM])
+def test_the_library_key_follows_the_source(monkeypatch, tmp_path, library):
+    first = library.key()
+    changed = tmp_path / library.source.name
+    changed.write_bytes(library.source.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(library, "source", changed)
+    assert library.key() != first
 
 
 @needs_native
