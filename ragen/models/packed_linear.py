@@ -25,8 +25,8 @@ packed row count there.
 In fp32 on an AVX2 CPU ragen's own panel GEMM (``ragen/models/csrc/panel_gemm.cpp``, :data:`ragen.models.native.GEMM`)
 serves calls of up to :data:`PANEL_MAX_ROWS` rows on a copy of the weight packed into 16-column panels: on the
 2-core AVX2 EPYC the decoder's projections ran 1.2-1.9x faster than ``(W @ hᵀ)ᵀ`` and oneDNN's packed GEMM at 8-16
-rows, 0.96-1.35x at 32 (whole calls at batch 32 0.95x), and slower from 48 rows (``bench_decode.py --sections panel``, docs/performance.md); larger
-calls keep the plain weight's path. Sums run in another order than the BLAS's: outputs agree to float rounding.
+rows, 0.96-1.35x at 32 (whole calls at batch 32 0.95x), and slower from 48 rows (``bench_decode.py --sections
+panel``, docs/performance.md); larger calls keep the plain weight's path. Sums run in another order than the BLAS's: outputs agree to float rounding.
 
 A packed weight is a copy: it does not follow later changes to the parameter. Owners scope it
 (:class:`~ragen.models.fused_decode.FusedDecoder` keeps it for one rollout session).
@@ -106,13 +106,14 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT) if self.packed else weight
         self.mkl_weight: torch.Tensor | None = None  # MKL's packed copy, for calls of exactly mkl_rows rows
         self.mkl_rows: int | None = None
-        #: With ``panel`` (fp32 on the CPU, the panel GEMM built) the weight stays plain for larger calls and
-        #: :attr:`panels` gets its panel-packed copy ``(⌈out/16⌉, in, 16)`` at the first call of up to PANEL_MAX_ROWS rows
-        #: (packing SmolLM2's decoder takes ~0.27 s: only calls that use it pay it).
+        #: With ``panel`` (fp32 on the CPU) the weight stays plain for larger calls, and the first call of up to
+        #: PANEL_MAX_ROWS rows loads the panel GEMM (:func:`ragen.models.native.gemm_ops`: built on its first use on a
+        #: machine, ~30 s) and packs :attr:`panels` ``(⌈out/16⌉, in, 16)`` (SmolLM2's decoder: ~0.27 s), so only
+        #: sessions with such calls pay either. False once the library proved unavailable.
+        self.panel = (panel and not self.packed and not self.mkl and weight.dtype == torch.float32
+                      and weight.device.type == "cpu")
         self.panels: torch.Tensor | None = None
         self._gemm = None
-        if panel and not self.packed and not self.mkl and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            self._gemm = native.gemm_ops()
 
     def pack_rows(self, rows: int) -> None:
         """With ``mkl``, pack the weight once for MKL's GEMM at ``rows`` rows (the decode batch); later calls of other
@@ -130,10 +131,14 @@ class PackedLinear:
             flat = x.reshape(-1, self.in_features)  # (M, in)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")  # (M, out) row-major
             return out.view(*x.shape[:-1], self.out_features)
-        if self._gemm is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
+        if self.panel and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
             if self.panels is None:
-                self.panels = self._gemm.pack_panels(self.weight)
-            return self._gemm.linear_panels(x, self.panels, self.out_features, self.bias)  # (M, out) row-major
+                self._gemm = native.gemm_ops()
+                self.panel = self._gemm is not None
+                if self.panel:
+                    self.panels = self._gemm.pack_panels(self.weight)
+            if self.panel:
+                return self._gemm.linear_panels(x, self.panels, self.out_features, self.bias)  # (M, out) row-major
         if self.mkl_rows is not None and x.dim() == 2 and x.shape[0] == self.mkl_rows:
             return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, self.mkl_rows)  # (M, out)
         if self.transposed and x.dim() == 2 and x.shape[0] <= MAX_ROWS:

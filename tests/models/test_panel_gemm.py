@@ -89,9 +89,14 @@ def test_a_panel_linear_serves_decode_sized_calls_and_larger_ones_take_the_plain
     torch.testing.assert_close(linear(x[:3]), before)
 
 
-def test_without_the_library_a_panel_linear_is_a_plain_one(monkeypatch):
-    monkeypatch.setattr(native, "gemm_ops", lambda: None)
+def test_without_the_library_a_panel_linear_is_a_plain_one_and_asks_only_when_a_call_could_use_it(monkeypatch):
+    asked = []
+    monkeypatch.setattr(native, "gemm_ops", lambda: asked.append(1))  # None: the library is unavailable
     linear = PackedLinear(torch.randn(8, 4), pack=False, panel=True)
+    big = torch.randn(PANEL_MAX_ROWS + 1, 4)
+    torch.testing.assert_close(linear(big), F.linear(big, linear.weight))
+    assert asked == []  # neither building the linear nor a larger call loads (or compiles) the library
     x = torch.randn(3, 4)
     torch.testing.assert_close(linear(x), F.linear(x, linear.weight))
-    assert linear.panels is None
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight))
+    assert asked == [1] and linear.panels is None and not linear.panel  # asked once, then the plain path
