@@ -55,7 +55,7 @@ from ragen.models import decode_attention, native, native_decode, train_attentio
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model
-from ragen.models.growing_cache import plain_layers
+from ragen.models.growing_cache import GrowingLayer, plain_layers
 from ragen.models.kept_buffer import KeptBuffer
 from ragen.models.packed_linear import PackedLinear, will_pack
 from ragen.models.precision import intel_cpu
@@ -529,7 +529,11 @@ def decode_step(model, weights: FusedWeights, input_ids: torch.Tensor, attention
             qk = _rotate(qk, cos, sin)  # (B, H + H_kv, D) in cos's dtype: query and key heads, rotated together
             key = qk[:, H:].unsqueeze(2)  # (B, H_kv, 1, D)
             value = qkv[:, q_width + kv_width :].view(B, H_kv, 1, D)
-            keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)
+            if grouped and type(cache.layers[i]) is GrowingLayer:
+                cache.layers[i].write(key, value)  # the grouped step reads its columns from prefix: a deferred row copy stays so
+                keys = values = None
+            else:
+                keys, values = cache.update(key, value, i)  # (B, H_kv, L + 1, D)
             query = qk[:, :H].reshape(B, H_kv, g, D).float()  # (B, H_kv, g, D): a KV head's query heads together
             if prefix is None:
                 attended = grouped_one_query(query, keys, values, scaling, padding)  # (B, H_kv, g, D)

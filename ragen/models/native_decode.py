@@ -33,11 +33,14 @@ def can_run(weights, cache, prefix, model=None) -> bool:
         return False
     if model is not None and model.model.embed_tokens.weight.dtype != torch.float32:  # the residual stream's dtype
         return False
-    if not all(type(layer) is GrowingLayer and layer.keys is not None and layer.keys.dim() == 4 for layer in cache.layers):
+    # filled_views: the kernel only writes the cache (its prefix columns are read from ``prefix``), so a row copy that
+    # GrowingLayer.reorder_cache deferred stays deferred
+    if not all(type(layer) is GrowingLayer and layer.filled_views()[0] is not None and layer.filled_views()[0].dim() == 4
+               for layer in cache.layers):
         return False
-    layer = cache.layers[0]
-    head_dim = layer.keys.shape[-1]
-    return (head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+    keys, values = cache.layers[0].filled_views()
+    head_dim = keys.shape[-1]
+    return (head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and keys.dtype == torch.float32 and values.dtype == torch.bfloat16
             and weights.norm.dtype == torch.float32 and all(w.norm_in.dtype == torch.float32 for w in weights.layers)
             and prefix.keys_t[0].dtype == torch.float32)
 
@@ -59,7 +62,7 @@ def grouped_step(ops, model, weights, h: torch.Tensor, cos: torch.Tensor, sin_si
         n = prefix.reserve_own(i)
     for layer in cache.layers:
         if layer.reserve(1) != past:
-            raise RuntimeError(f"cache layer holds {layer.keys.shape[-2]} columns, the step expects {past}")
+            raise RuntimeError(f"cache layer holds {layer.get_seq_length()} columns, the step expects {past}")
     try:
         logits = _call(ops, weights, h, cos, sin_signed, cache, prefix, n, past, H, H_kv, D)
     except RuntimeError as error:  # a check in the kernel refused the step: nothing is advanced yet, Python redoes it

@@ -220,6 +220,43 @@ def test_growing_layer_holds_what_cat_holds_through_reorder_crop_and_select():
     assert torch.equal(gk, rk) and torch.equal(gv, rv) and grow.get_seq_length() == ref.get_seq_length()
 
 
+def test_growing_layer_defers_the_row_copy_until_the_columns_are_read():
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    ref, grow = DynamicLayer(), GrowingLayer.from_tensors(k, v, capacity=9)
+    ref.update(k, v)
+    first, second = torch.tensor([1, 0, 1, 1]), torch.tensor([3, 0, 2])
+    ref.reorder_cache(first)
+    grow.reorder_cache(first)
+    assert grow.deferred and grow.get_seq_length() == 5 and grow.filled_views()[0].shape == (4, 3, 5, 4)
+    ref.reorder_cache(second)
+    grow.reorder_cache(second)  # nothing written in between: the two row maps compose, still nothing copied
+    assert grow.deferred and grow._key_buffer.shape == (3, 3, 9, 4)
+    for _ in range(6):  # writes stay deferred-safe, through a regrowth (which copies the prefix first)
+        k, v = torch.randn(3, 3, 1, 4), torch.randn(3, 3, 1, 4)
+        ref.update(k, v)
+        grow.write(k, v)
+    assert not grow.deferred  # the regrowth at column 9 had to read the filled columns
+    assert torch.equal(grow.keys, ref.keys) and torch.equal(grow.values, ref.values)
+
+    grow = GrowingLayer.from_tensors(ref.keys, ref.values, capacity=20)
+    ref.reorder_cache(torch.tensor([2, 2]))
+    grow.reorder_cache(torch.tensor([2, 2]))
+    k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    ref.update(k, v)
+    grow.write(k, v)
+    assert grow.deferred and torch.equal(grow.filled_views()[0][:, :, -1:], k)  # new columns written, prefix not yet
+    grow.reorder_cache(torch.tensor([1]))  # a column was written since: the first copy is done, then deferred again
+    ref.reorder_cache(torch.tensor([1]))
+    assert grow.deferred
+    rk, rv = ref.update(k[:1], v[:1])
+    gk, gv = grow.update(k[:1], v[:1])  # update returns the filled columns: the copy is done
+    assert not grow.deferred and torch.equal(gk, rk) and torch.equal(gv, rv)
+    grow.reorder_cache(torch.tensor([0, 0]))
+    grow.reset()
+    assert not grow.deferred and grow.get_seq_length() == 0
+
+
 def test_growing_layer_falls_back_to_cat_under_autograd():
     k = torch.randn(1, 2, 3, 4, requires_grad=True)
     layer = GrowingLayer.from_tensors(k.detach(), k.detach(), capacity=8)
