@@ -14,7 +14,7 @@ from ragen.models.decode_attention import grouped_one_query
 from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS, FusedDecoder, \
     SharedPrefix, _attend_grouped, _attend_shared, fused_decode_for, unsupported_reason
 from ragen.models.fused_decode import OWN_CHUNK
-from ragen.models.growing_cache import make_growing
+from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.packed_linear import mkl_packing_available, packing_available
 from ragen.models.precision import intel_cpu
 
@@ -390,8 +390,20 @@ def test_backend_reads_shared_prompts_once_per_group_and_samples_the_same_tokens
     params = SamplingParams(max_new_tokens=5, do_sample=False)
     shared = HFBackend(model, tokenizer, precision="fp32")
     plain = HFBackend(model, tokenizer, precision="fp32", fused_decode=False)
-    got = shared.generate(prompts, params)
+    deferrals, copies = [], []
+    real_reorder, real_materialize = GrowingLayer.reorder_cache, GrowingLayer._materialize
+
+    def reorder(self, index):
+        real_reorder(self, index)
+        deferrals.append(self.deferred)
+
+    with pytest.MonkeyPatch.context() as patch:  # see the prompt's row copy deferred, and count the ones that ran
+        patch.setattr(GrowingLayer, "reorder_cache", reorder)
+        patch.setattr(GrowingLayer, "_materialize", lambda self: copies.append(self.deferred) or real_materialize(self))
+        got = shared.generate(prompts, params)
     assert shared.fused.shared_prefix_steps == shared.fused.fused_steps > 0 and shared.fused.prefix is None
+    assert deferrals and all(deferrals)  # the prompt cache was spread to the group's rows, lazily
+    assert not any(copies)  # grouped steps read the prompt from the shared prefix: the rows' copy never ran
     assert shared.fused.grouped_steps == shared.fused.fused_steps  # own columns read per group too
     assert [g.token_ids for g in got] == [g.token_ids for g in plain.generate(prompts, params)]
     mixed = [a, b, a, b]  # not in consecutive groups: each row attends over its own cache
