@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
@@ -26,7 +26,7 @@ from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode,
 from ragen.models.device import model_device
 from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
-from ragen.models.growing_cache import make_growing, plain_layers
+from ragen.models.growing_cache import GrowingLayer, make_growing, plain_layers
 from ragen.models.precision import resolve_precision
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.sampling import InverseCDFSampler, multinomial_generate_kwargs
@@ -481,16 +481,27 @@ class HFBackend:
         sample = next(k for k in kept if k is not None)
         cache = DynamicCache(config=self.model.config)
         for layer, (k0, v0) in enumerate(zip(sample.keys, sample.values)):
-            heads, dim = k0.shape[0], k0.shape[-1]
-            keys = k0.new_zeros(n, heads, C, dim)  # (B, heads, C, head_dim); padding columns are masked out
-            values = v0.new_zeros(n, heads, C, v0.shape[-1])
+            # (B, heads, C, head_dim) each: the kept prefixes right-aligned; padding columns are masked out but must
+            # hold finite numbers (a masked column's value still meets a probability of 0)
+            in_place = room is not None and layer < len(cache.layers) and type(cache.layers[layer]) is DynamicLayer
+            if in_place:  # straight into a buffer with room for the rest (no second copy by make_growing)
+                grown = GrowingLayer.allocate(k0, v0, n, C, C + S + 1 + room)
+                keys, values = grown.filled_views()
+            else:
+                keys, values = k0.new_empty(n, k0.shape[0], C, k0.shape[-1]), v0.new_empty(n, v0.shape[0], C, v0.shape[-1])
             for row, (entry, c) in enumerate(zip(kept, reused)):
+                if c < C:
+                    keys[row, :, : C - c].zero_()
+                    values[row, :, : C - c].zero_()
                 if c:
-                    keys[row, :, C - c :] = entry.keys[layer][:, :c]
-                    values[row, :, C - c :] = entry.values[layer][:, :c]
-            cache.update(keys, values, layer)
+                    keys[row, :, C - c :].copy_(entry.keys[layer][:, :c])
+                    values[row, :, C - c :].copy_(entry.values[layer][:, :c])
+            if in_place:
+                cache.layers[layer] = grown
+            else:
+                cache.update(keys, values, layer)
         if room is not None:
-            make_growing(cache, C + S + 1 + room)
+            make_growing(cache, C + S + 1 + room)  # any layer not built in place above
         end = C + S + int(last)  # the columns [C, end) run through the model
         logits = None
         if end > C:

@@ -101,6 +101,21 @@ class GrowingLayer(DynamicLayer):
         layer._adopt(keys, values, capacity)
         return layer
 
+    @classmethod
+    def allocate(cls, key_like: torch.Tensor, value_like: torch.Tensor, rows: int, filled: int,
+                 capacity: int) -> "GrowingLayer":
+        """A layer of ``rows`` rows whose first ``filled`` columns the caller writes (:meth:`filled_views`) and room for
+        ``capacity`` columns in all: buffers ``(rows, heads, capacity, d)`` of ``key_like``/``value_like``'s heads, head
+        size, dtype and device (``(heads, ·, d)`` tensors), left uninitialised. Spares one copy where a cache is
+        assembled row by row (a resumed turn's kept prefixes) and would otherwise be copied again into a growing buffer."""
+        layer = cls()
+        keys = key_like.new_empty(rows, key_like.shape[0], max(capacity, filled), key_like.shape[-1])
+        values = value_like.new_empty(rows, value_like.shape[0], max(capacity, filled), value_like.shape[-1])
+        layer.lazy_initialization(keys, values)
+        layer._key_buffer, layer._value_buffer = keys, values
+        layer.keys, layer.values = keys[:, :, :filled], values[:, :, :filled]
+        return layer
+
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         B, H, n, _ = keys.shape
         capacity = max(capacity, n)

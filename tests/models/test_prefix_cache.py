@@ -8,6 +8,7 @@ from ragen.envs.registry import make
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import output_cache, with_cache
+from ragen.models.growing_cache import GrowingLayer
 from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from tests.models.rollouts import play
 
@@ -136,10 +137,24 @@ def test_window_prompts_keep_no_cache(tiny, monkeypatch):
     assert puts == [] and backend.stats.reused_tokens == 0
 
 
-def test_resumed_prefill_gives_the_full_prefill_logits(tiny):
-    """Rows resuming caches of different lengths (one with none) next to padding: same next-token logits as one full pass."""
+@pytest.mark.parametrize("room", [None, 7])
+def test_resumed_prefill_gives_the_full_prefill_logits(tiny, monkeypatch, room):
+    """Rows resuming caches of different lengths (one with none) next to padding: same next-token logits as one full
+    pass. With ``room`` the cache is assembled straight into growing buffers, here poisoned with NaN first (as
+    uninitialised memory may be): every padding column must be written."""
     model, tokenizer = tiny
     backend = HFBackend(model, tokenizer, precision="fp32")
+    allocated = []
+    real_allocate = GrowingLayer.allocate.__func__
+
+    def poisoned(cls, *args):
+        layer = real_allocate(cls, *args)
+        layer._key_buffer.fill_(float("nan"))
+        layer._value_buffer.fill_(float("nan"))
+        allocated.append(layer)
+        return layer
+
+    monkeypatch.setattr(GrowingLayer, "allocate", classmethod(poisoned))
     torch.manual_seed(3)
     prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (37, 52, 45)]
     kept = []
@@ -150,9 +165,14 @@ def test_resumed_prefill_gives_the_full_prefill_logits(tiny):
                 continue
             layers = output_cache(model(input_ids=torch.tensor([prompt[:c]]), use_cache=True)).layers
             kept.append(CachedPrefix(tuple(prompt[:c]), [l.keys[0] for l in layers], [l.values[0] for l in layers]))
-        resumed = backend._resume_prefill(prompts, kept)
+        resumed = backend._resume_prefill(prompts, kept, room)
         ids, mask, cache = resumed.input_ids, resumed.attention_mask, resumed.cache
         assert cache.get_seq_length() == ids.shape[1] - 1
+        if room is not None:  # built in place: the same buffers, room for the last column and the new tokens
+            assert [id(layer) for layer in cache.layers] == [id(layer) for layer in allocated]
+            assert all(layer._key_buffer.shape[2] == ids.shape[1] + room for layer in allocated)
+        else:
+            assert not allocated
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         resumed = model(
             input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:], **with_cache(cache)
