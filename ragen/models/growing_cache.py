@@ -15,9 +15,9 @@ with the same room but defers the copy of the filled columns: they are copied fr
 ``U``-row source the first time anything reads ``keys``/``values``. A decode step that
 reads the shared prompt's columns from elsewhere (the grouped step of
 :mod:`ragen.models.fused_decode`, which keeps them once per prompt) appends through
-:meth:`GrowingLayer.write` and never pays for the copy: at batch 32 on this project's CPU it
-was ~8 % of a single-turn generate call, mostly first-touch page faults on ~150 MB of rows
-that were never read (``docs/performance.md``). Views taken before a ``crop`` may see columns written after it (as
+:meth:`GrowingLayer.write` and never pays for the copy: ~150 MB of fresh pages at batch 32,
+never read; deferring it made whole batch-32 generate calls 1.037× faster on this project's
+CPU (alternated A/B, ``docs/performance-history.md``, "Zen 5, stops 48–50"). Views taken before a ``crop`` may see columns written after it (as
 with any in-place cache such as ``StaticCache``). Used only for generation (no autograd
 through in-place writes: with grad enabled it falls back to ``torch.cat``).
 """
