@@ -24,7 +24,7 @@ from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
+from ragen.models.fused_decode import OWN_CHUNK, FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing, plain_layers
 from ragen.models.precision import resolve_precision
@@ -309,6 +309,8 @@ class HFBackend:
                 if any(k is not None for k in kept):
                     prefilled = self._resume_prefill(prompts, kept, room, last=last)
                     kept.clear()  # copied into ``cache``: free the entries before decoding
+                    if fused and room is not None:
+                        self._record_rows_as_groups_of_one(prefilled, room)
                 elif not (self.common_prefix and (prefilled := self._common_prefill(prompts, room, share=fused, last=last))):
                     input_ids, attention_mask = self._left_pad(prompts)
                     prefilled = self._shared_prefill(prompts, input_ids, attention_mask, room, share=fused, last=last)
@@ -415,6 +417,31 @@ class HFBackend:
         if row_prompt == [u for u in range(distinct) for _ in range(group)]:
             capacity = (room or 0) if self.fused.group_own_columns else 0
             self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=capacity)
+
+    def _record_rows_as_groups_of_one(self, prefilled: "Prefilled", room: int) -> None:
+        """Let the C++ step decode a resumed turn: each row's cache as the shared prefix of a group of one.
+
+        A resumed turn's rows share no prompt, so their steps would run in Python with per-row attention over each
+        row's whole kept history. The C++ grouped step (:mod:`ragen.models.native_decode`) computes groups of one as
+        well; the price is one copy of the cache into :class:`~ragen.models.fused_decode.SharedPrefix`'s fp32 layout.
+        On a 2-core Zen 5 (64 Sokoban rows, turns 2-5) decode per generated token went 2.8-3.1 → 1.4-1.6 ms and the
+        whole rollout 58-59 → 48-50 s, copies included (``docs/performance-history.md``, "Zen 5, stops 48–50"). Only
+        where the C++ step can take the steps (bf16, kernels built): the Python step gains nothing from the copy. The
+        copy (fp32 keys and values of every row's columns) is skipped where it would exceed the kept caches' own bound
+        (``rollout.reuse_kv_max_gb``): such calls decode in Python as before.
+        """
+        cache = prefilled.cache
+        if cache is None or compute_dtype(self.model) != torch.bfloat16 or self.fused.native_ops(torch.bfloat16) is None:
+            return
+        if not plain_layers(cache) or not all(type(layer) is GrowingLayer for layer in cache.layers):
+            return
+        n, L = prefilled.input_ids.shape[0], cache.get_seq_length()
+        bound = self.prefix_cache.max_bytes if self.prefix_cache is not None else None
+        keys, values = cache.layers[0].filled_views()
+        copy_bytes = len(cache.layers) * n * keys.shape[1] * (L + min(room, OWN_CHUNK)) * (keys.shape[-1] + values.shape[-1]) * 4
+        if bound is not None and copy_bytes > bound:
+            return
+        self._record_shared_prefix(cache, list(range(n)), n, padding=prefilled.attention_mask[:, :L] == 0, room=room)
 
     def _prompt_pass(self, last: bool = False, **inputs):
         """Run prompt tokens through the model for their keys and values; returns the KV cache and, with ``last``, the

@@ -207,6 +207,44 @@ def test_backend_runs_grouped_bf16_steps_natively_and_can_be_told_not_to(tiny):
     assert same >= 0.75 * 8 * 6, same
 
 
+@needs_native
+def test_resumed_turns_decode_natively_as_groups_of_one(tiny):
+    """Turn 2 resumes each row's kept cache (no prompt shared): its steps run in C++ as groups of one and sample what
+    the Python step samples, up to bf16 rounding; the kept entries cover the turn's native columns too."""
+    model, tokenizer = tiny
+    params = SamplingParams(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    torch.manual_seed(2)
+    prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (12, 20, 7, 15)]
+    runs = {}
+    for on in (True, False):
+        backend = HFBackend(model, tokenizer, precision="bf16", native_decode=on)
+        with backend.session():
+            first = backend.generate(prompts, params)
+            turn1_native = backend.fused.native_steps
+            again = [p + g.token_ids + [5, 6, 7][: i + 1] for i, (p, g) in enumerate(zip(prompts, first))]
+            second = backend.generate(again, params)
+            assert backend.stats.reused_tokens > 0
+            third = [p + g.token_ids + [9] for p, g in zip(again, second)]
+            backend.generate(third, params)
+            entries = [e for same in backend.prefix_cache._entries.values() for e in same]
+        runs[on] = [g.token_ids for g in first + second], turn1_native, backend.fused.native_steps - turn1_native, \
+            entries, third
+    (got, turn1_native, native_steps, entries, third), (want, _, python_steps, _, _) = runs[True], runs[False]
+    assert turn1_native == 0  # four distinct prompts: turn 1 has no group to share
+    assert native_steps >= 2 * (6 - 1) and python_steps == 0  # turns 2 and 3: every step after the prefill's token
+    assert sorted(len(e) for e in entries) == sorted(len(p) + 6 - 1 for p in third)  # turn 3's caches were kept whole
+    # a random tiny model's logits are nearly flat: greedy tokens may differ in rounding, most do not
+    same = sum(x == y for g, h in zip(got, want) for x, y in zip(g, h))
+    assert same >= 0.75 * 8 * 6, same
+
+    bounded = HFBackend(model, tokenizer, precision="bf16")
+    with bounded.session():
+        first = bounded.generate(prompts, params)
+        bounded.prefix_cache.max_bytes = bounded.prefix_cache.nbytes  # the kept caches fit; their fp32 copy would not
+        bounded.generate([p + g.token_ids + [5] for p, g in zip(prompts, first)], params)
+        assert bounded.stats.reused_tokens > 0 and bounded.fused.native_steps == 0  # decoded in Python, as before
+
+
 def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_path):
     broken = tmp_path / "broken_step.cpp"
     broken.write_text("this is not C++\n")
