@@ -24,7 +24,7 @@ from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
-from ragen.models.fused_decode import OWN_CHUNK, FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
+from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing, plain_layers
 from ragen.models.precision import resolve_precision
@@ -416,7 +416,9 @@ class HFBackend:
         group = len(row_prompt) // distinct
         if row_prompt == [u for u in range(distinct) for _ in range(group)]:
             capacity = (room or 0) if self.fused.group_own_columns else 0
-            self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=capacity)
+            pages = self.fused.prefix_pages if self._in_session else None  # outside a session nothing would free them
+            self.fused.prefix = SharedPrefix.from_layers(cache.layers, group, padding=padding, capacity=capacity,
+                                                         pages=pages)
 
     def _record_rows_as_groups_of_one(self, prefilled: "Prefilled", room: int) -> None:
         """Let the C++ step decode a resumed turn: each row's cache as the shared prefix of a group of one.
@@ -438,7 +440,7 @@ class HFBackend:
         n, L = prefilled.input_ids.shape[0], cache.get_seq_length()
         bound = self.prefix_cache.max_bytes if self.prefix_cache is not None else None
         keys, values = cache.layers[0].filled_views()
-        copy_bytes = len(cache.layers) * n * keys.shape[1] * (L + min(room, OWN_CHUNK)) * (keys.shape[-1] + values.shape[-1]) * 4
+        copy_bytes = len(cache.layers) * n * keys.shape[1] * (L + room) * (keys.shape[-1] + values.shape[-1]) * 4
         if bound is not None and copy_bytes > bound:
             return
         self._record_shared_prefix(cache, list(range(n)), n, padding=prefilled.attention_mask[:, :L] == 0, room=room)

@@ -351,16 +351,29 @@ class SharedPrefix:
     native_steps: int = 0
 
     @classmethod
-    def from_layers(cls, layers, group: int, padding: torch.Tensor | None, capacity: int = 0) -> "SharedPrefix":
+    def from_layers(cls, layers, group: int, padding: torch.Tensor | None, capacity: int = 0,
+                    pages: list[KeptBuffer] | None = None) -> "SharedPrefix":
         """From the prefilled cache's layers (``U`` rows each); keys and values copied to fp32. ``capacity``: the
-        most decode steps the call may take (room for :func:`_attend_grouped`'s copies; 0 keeps none)."""
+        most decode steps the call may take (room for :func:`_attend_grouped`'s copies; 0 keeps none). Groups of one
+        get room for all of them at once (a row's own columns are few beside its prefix), larger groups the first
+        :data:`OWN_CHUNK` steps. With ``pages`` (two :class:`KeptBuffer` a layer, kept by :class:`FusedDecoder` for a
+        session) the copies go into memory an earlier call already faulted in: views valid until the next call that
+        takes them (one ``generate`` call's prefix)."""
         U, H_kv, length, D = layers[0].keys.shape
-        width = length + min(capacity, OWN_CHUNK) * group  # the first chunk of own columns, if any
+        own = capacity if group == 1 else min(capacity, OWN_CHUNK)  # the first chunk of own columns, if any
+        width = length + own * group
+        if pages is not None:
+            pages.extend(KeptBuffer() for _ in range(2 * len(layers) - len(pages)))
         keys_t, values = [], []
-        for layer in layers:
-            keys_t.append(layer.keys.new_empty(U, H_kv, D, width, dtype=torch.float32))
+        for i, layer in enumerate(layers):
+            Dv = layer.values.shape[-1]
+            if pages is None:
+                keys_t.append(layer.keys.new_empty(U, H_kv, D, width, dtype=torch.float32))
+                values.append(layer.values.new_empty(U, H_kv, width, Dv, dtype=torch.float32))
+            else:
+                keys_t.append(pages[2 * i].view((U, H_kv, D, width), torch.float32))
+                values.append(pages[2 * i + 1].view((U, H_kv, width, Dv), torch.float32))
             keys_t[-1][..., :length] = layer.keys.transpose(-1, -2)  # to fp32
-            values.append(layer.values.new_empty(U, H_kv, width, layer.values.shape[-1], dtype=torch.float32))
             values[-1][:, :, :length] = layer.values
         bias = None
         if padding is not None and bool(padding.any()):
@@ -578,6 +591,10 @@ class FusedDecoder:
         self.group_own_columns = True
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``/``_common_prefill``).
         self.prefix: SharedPrefix | None = None
+        #: Where :attr:`prefix`'s fp32 copies go (:meth:`SharedPrefix.from_layers`' ``pages``), kept for a session: a
+        #: multi-turn rollout's resumed turns copy their whole caches there each call (1.3-1.8 GB for 64 Sokoban rows
+        #: by turn 5), which on fresh pages cost ~2 s a call in first-touch faults alone on this project's VM.
+        self.prefix_pages: list[KeptBuffer] = []
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0
         self.shared_prefix_steps = 0
@@ -628,8 +645,9 @@ class FusedDecoder:
         return native.ops() if self.native and dtype == torch.bfloat16 else None
 
     def clear(self) -> None:
-        """Drop the weights (the staging buffer stays: the next session's casts reuse its pages)."""
+        """Drop the weights and the prefix pages (the staging buffer stays: the next session's casts reuse its pages)."""
         self.weights = None
+        self.prefix_pages = []
 
 
 @contextlib.contextmanager

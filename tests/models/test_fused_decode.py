@@ -324,6 +324,31 @@ def test_backend_resumes_kept_caches_through_the_fused_step_as_through_transform
     assert outputs[True][:2] == outputs[False][:2]
 
 
+def test_a_sessions_calls_reuse_the_prefix_pages_and_the_session_frees_them(tiny, monkeypatch):
+    model, tokenizer = tiny
+    a, b = (tokenizer(t)["input_ids"] for t in ("push the box", "the box is on the target now"))
+    params = SamplingParams(max_new_tokens=4, do_sample=False)
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    seen = []
+    real = SharedPrefix.from_layers.__func__
+
+    def spy(cls, *args, pages=None, **kwargs):
+        prefix = real(cls, *args, pages=pages, **kwargs)
+        seen.append((prefix.keys_t[0].data_ptr(), pages is not None))
+        return prefix
+
+    monkeypatch.setattr(SharedPrefix, "from_layers", classmethod(spy))
+    with backend.session(keep_kv=False):
+        first = backend.generate([a] * 3 + [b] * 3, params)
+        second = backend.generate([a] * 3 + [b] * 3, params)
+        assert len(backend.fused.prefix_pages) == 2 * model.config.num_hidden_layers
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][1]  # the second call's copies landed on the same pages
+    assert backend.fused.prefix_pages == []  # freed with the session
+    backend.generate([a] * 3 + [b] * 3, params)
+    assert len(seen) == 3 and not seen[2][1]  # outside a session: fresh tensors, nothing keeps them
+
+
 def test_min_new_tokens_keeps_eos_out_until_then(tiny):
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
