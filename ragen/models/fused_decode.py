@@ -371,8 +371,9 @@ class SharedPrefix:
                 keys_t.append(layer.keys.new_empty(U, H_kv, D, width, dtype=torch.float32))
                 values.append(layer.values.new_empty(U, H_kv, width, Dv, dtype=torch.float32))
             else:
-                keys_t.append(pages[2 * i].view((U, H_kv, D, width), torch.float32))
-                values.append(pages[2 * i + 1].view((U, H_kv, width, Dv), torch.float32))
+                # room for half as much again: a multi-turn rollout's next turns have longer caches
+                keys_t.append(pages[2 * i].view((U, H_kv, D, width), torch.float32, spare=1.5))
+                values.append(pages[2 * i + 1].view((U, H_kv, width, Dv), torch.float32, spare=1.5))
             keys_t[-1][..., :length] = layer.keys.transpose(-1, -2)  # to fp32
             values[-1][:, :, :length] = layer.values
         bias = None

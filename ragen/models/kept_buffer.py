@@ -21,9 +21,11 @@ class KeptBuffer:
     def __init__(self):
         self.buffer: torch.Tensor | None = None  # flat, grown to the largest request, never shrunk
 
-    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, spare: float = 1.0) -> torch.Tensor:
+        """A ``shape``-shaped ``dtype`` view; where the buffer must grow, it grows to ``spare`` times the request (for
+        requests that grow call by call, such as a multi-turn rollout's caches: the next ones then fit)."""
         numel = math.prod(shape)
         if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < numel:
             self.buffer = None  # free the old buffer first
-            self.buffer = torch.empty(numel, dtype=dtype)
+            self.buffer = torch.empty(math.ceil(numel * max(spare, 1.0)), dtype=dtype)
         return self.buffer[:numel].view(shape)
