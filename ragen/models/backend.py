@@ -24,7 +24,9 @@ from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
-from ragen.models.fused_decode import FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, fused_decode_for
+from ragen.models import native_decode
+from ragen.models.fused_decode import PREFIX_PAGE_SPARE, FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, \
+    fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing, plain_layers
 from ragen.models.precision import resolve_precision
@@ -429,11 +431,14 @@ class HFBackend:
         On a 2-core Zen 5 (64 Sokoban rows, turns 2-5) decode per generated token went 2.8-3.1 → 1.4-1.6 ms and the
         whole rollout 58-59 → 48-50 s, copies included (``docs/performance-history.md``, "Zen 5, stops 48–50"). Only
         where the C++ step can take the steps (bf16, kernels built): the Python step gains nothing from the copy. The
-        copy (fp32 keys and values of every row's columns) is skipped where it would exceed the kept caches' own bound
-        (``rollout.reuse_kv_max_gb``): such calls decode in Python as before.
+        copy (fp32 keys and values of every row's columns, on pages kept for the session that may grow to
+        :data:`~ragen.models.fused_decode.PREFIX_PAGE_SPARE` times it) is skipped where those pages would exceed the
+        kept caches' own bound (``rollout.reuse_kv_max_gb``): such calls decode in Python as before.
         """
         cache = prefilled.cache
-        if cache is None or compute_dtype(self.model) != torch.bfloat16 or self.fused.native_ops(torch.bfloat16) is None:
+        if cache is None or not self.fused.group_own_columns or native_decode.failed is not None:
+            return  # the kernel reads own columns per group; after a refusal every step runs in Python
+        if compute_dtype(self.model) != torch.bfloat16 or self.fused.native_ops(torch.bfloat16) is None:
             return
         if not plain_layers(cache) or not all(type(layer) is GrowingLayer for layer in cache.layers):
             return
@@ -441,7 +446,7 @@ class HFBackend:
         bound = self.prefix_cache.max_bytes if self.prefix_cache is not None else None
         keys, values = cache.layers[0].filled_views()
         copy_bytes = len(cache.layers) * n * keys.shape[1] * (L + room) * (keys.shape[-1] + values.shape[-1]) * 4
-        if bound is not None and copy_bytes > bound:
+        if bound is not None and copy_bytes * PREFIX_PAGE_SPARE > bound:
             return
         self._record_shared_prefix(cache, list(range(n)), n, padding=prefilled.attention_mask[:, :L] == 0, room=room)
 

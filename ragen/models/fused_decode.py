@@ -320,6 +320,11 @@ def head_logits(h: torch.Tensor, weights: "FusedWeights") -> torch.Tensor:
 OWN_CHUNK = 32
 
 
+#: Where :class:`FusedDecoder`'s prefix pages must grow, they grow to this multiple of the request
+#: (:meth:`~ragen.models.kept_buffer.KeptBuffer.view`'s ``spare``): a multi-turn rollout's turns grow call by call.
+PREFIX_PAGE_SPARE = 1.5
+
+
 @dataclass
 class SharedPrefix:
     """Rows ``[u·k, (u+1)·k)`` of a decode batch hold the same first ``length`` cache columns: prompt ``u``'s.
@@ -371,9 +376,9 @@ class SharedPrefix:
                 keys_t.append(layer.keys.new_empty(U, H_kv, D, width, dtype=torch.float32))
                 values.append(layer.values.new_empty(U, H_kv, width, Dv, dtype=torch.float32))
             else:
-                # room for half as much again: a multi-turn rollout's next turns have longer caches
-                keys_t.append(pages[2 * i].view((U, H_kv, D, width), torch.float32, spare=1.5))
-                values.append(pages[2 * i + 1].view((U, H_kv, width, Dv), torch.float32, spare=1.5))
+                # room for more: a multi-turn rollout's next turns have longer caches
+                keys_t.append(pages[2 * i].view((U, H_kv, D, width), torch.float32, spare=PREFIX_PAGE_SPARE))
+                values.append(pages[2 * i + 1].view((U, H_kv, width, Dv), torch.float32, spare=PREFIX_PAGE_SPARE))
             keys_t[-1][..., :length] = layer.keys.transpose(-1, -2)  # to fp32
             values[-1][:, :, :length] = layer.values
         bias = None

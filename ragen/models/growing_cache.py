@@ -17,9 +17,11 @@ reads the shared prompt's columns from elsewhere (the grouped step of
 :mod:`ragen.models.fused_decode`, which keeps them once per prompt) appends through
 :meth:`GrowingLayer.write` and never pays for the copy: ~150 MB of fresh pages at batch 32,
 never read; deferring it made whole batch-32 generate calls 1.037× faster on this project's
-CPU (alternated A/B, ``docs/performance-history.md``, "Zen 5, stops 48–50"). Views taken before a ``crop`` may see columns written after it (as
-with any in-place cache such as ``StaticCache``). Used only for generation (no autograd
-through in-place writes: with grad enabled it falls back to ``torch.cat``).
+CPU (alternated A/B, ``docs/performance-history.md``, "Zen 5, stops 48–50"). A multi-turn
+session that keeps the rows' caches for the next turn still pays for it, when
+``HFBackend._keep`` reads them. Views taken before a ``crop`` may see columns written after
+it (as with any in-place cache such as ``StaticCache``). Used only for generation (no
+autograd through in-place writes: with grad enabled it falls back to ``torch.cat``).
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ class GrowingLayer(DynamicLayer):
         if self._pending is None:
             return
         source_k, source_v, index, n0 = self._pending
-        self._pending = None
         for row, source in enumerate(index.tolist()):  # row by row: no (B, H_kv, n0, D) temporary
             self._key_buffer[row, :, :n0].copy_(source_k[source, :, :n0])
             self._value_buffer[row, :, :n0].copy_(source_v[source, :, :n0])
+        self._pending = None  # only once every row is copied: an interrupted copy is redone, not left half done
 
     def filled_views(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(keys, values)`` as they are, without doing a deferred row copy: shapes, dtypes and the buffer's new
@@ -141,6 +143,7 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self._materialize()  # a deferred row copy reads the buffers dropped next
             self._key_buffer = self._value_buffer = None
             return super().update(key_states, value_states, *args, **kwargs)  # torch.cat: differentiable
         self.write(key_states, value_states)

@@ -265,6 +265,16 @@ def test_growing_layer_falls_back_to_cat_under_autograd():
     assert torch.equal(k.grad, torch.ones_like(k))
 
 
+def test_growing_layer_does_a_deferred_copy_before_falling_back_to_cat():
+    torch.manual_seed(0)
+    k = torch.randn(2, 2, 3, 4)
+    layer = GrowingLayer.from_tensors(k, k, capacity=8)
+    layer.reorder_cache(torch.tensor([1, 0, 1]))
+    x = torch.randn(3, 2, 1, 4, requires_grad=True)
+    keys, values = layer.update(x, x)
+    assert torch.equal(keys[:, :, :3], k[[1, 0, 1]]) and torch.equal(values[:, :, 3:], x)
+
+
 def test_make_growing_leaves_other_layer_types_alone(tiny):
     model, _ = tiny
     with torch.no_grad():

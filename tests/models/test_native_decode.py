@@ -245,6 +245,32 @@ def test_resumed_turns_decode_natively_as_groups_of_one(tiny):
         assert bounded.stats.reused_tokens > 0 and bounded.fused.native_steps == 0  # decoded in Python, as before
 
 
+@needs_native
+def test_resumed_turns_make_no_prefix_copy_the_kernel_would_not_read(tiny, monkeypatch):
+    """After the kernel refused a step (every later step runs in Python) or with own columns read per row, a resumed
+    turn records no group-of-one prefix: the fp32 copy would serve no C++ step."""
+    from ragen.models import native_decode
+
+    model, tokenizer = tiny
+    params = SamplingParams(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    prompts = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
+    recorded = []
+    real = SharedPrefix.from_layers.__func__
+    monkeypatch.setattr(SharedPrefix, "from_layers", classmethod(lambda cls, *a, **k: recorded.append(a[1]) or real(cls, *a, **k)))
+    for case in ("failed", "own columns per row"):
+        backend = HFBackend(model, tokenizer, precision="bf16")
+        with backend.session():
+            first = backend.generate(prompts, params)
+            with monkeypatch.context() as patch:
+                if case == "failed":
+                    patch.setattr(native_decode, "failed", "simulated refusal")
+                else:
+                    backend.fused.group_own_columns = False
+                recorded.clear()
+                backend.generate([p + g.token_ids + [7] for p, g in zip(prompts, first)], params)
+            assert backend.stats.reused_tokens > 0 and recorded == [], case
+
+
 def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch, tmp_path):
     broken = tmp_path / "broken_step.cpp"
     broken.write_text("this is not C++\n")
