@@ -428,8 +428,8 @@ class HFBackend:
         A resumed turn's rows share no prompt, so their steps would run in Python with per-row attention over each
         row's whole kept history. The C++ grouped step (:mod:`ragen.models.native_decode`) computes groups of one as
         well; the price is one copy of the cache into :class:`~ragen.models.fused_decode.SharedPrefix`'s fp32 layout.
-        On a 2-core Zen 5 (64 Sokoban rows, turns 2-5) decode per generated token went 2.8-3.1 → 1.4-1.6 ms and the
-        whole rollout 58-59 → 48-50 s, copies included (``docs/performance-history.md``, "Zen 5, stops 48–50"). Only
+        On a 2-core Zen 5 (64 Sokoban envs × 5 turns, alternated) decode per generated token went 2.80 → 1.39 ms and the
+        whole rollout 53.5-53.9 → 42.0-42.7 s, copies included (``docs/performance-history.md``, "Zen 5, stops 48–50"). Only
         where the C++ step can take the steps (bf16, kernels built): the Python step gains nothing from the copy. The
         copy (fp32 keys and values of every row's columns, on pages kept for the session that may grow to
         :data:`~ragen.models.fused_decode.PREFIX_PAGE_SPARE` times it) is skipped where those pages would exceed the
@@ -440,7 +440,7 @@ class HFBackend:
             return  # the kernel reads own columns per group; after a refusal every step runs in Python
         if compute_dtype(self.model) != torch.bfloat16 or self.fused.native_ops(torch.bfloat16) is None:
             return
-        if not plain_layers(cache) or not all(type(layer) is GrowingLayer for layer in cache.layers):
+        if not cache.layers or not all(type(layer) is GrowingLayer for layer in cache.layers):
             return
         n, L = prefilled.input_ids.shape[0], cache.get_seq_length()
         bound = self.prefix_cache.max_bytes if self.prefix_cache is not None else None

@@ -598,8 +598,9 @@ class FusedDecoder:
         #: Set for one ``generate`` call whose rows share prompts (``HFBackend._shared_prefill``/``_common_prefill``).
         self.prefix: SharedPrefix | None = None
         #: Where :attr:`prefix`'s fp32 copies go (:meth:`SharedPrefix.from_layers`' ``pages``), kept for a session: a
-        #: multi-turn rollout's resumed turns copy their whole caches there each call (1.3-1.8 GB for 64 Sokoban rows
-        #: by turn 5), which on fresh pages cost ~2 s a call in first-touch faults alone on this project's VM.
+        #: multi-turn rollout's resumed turns copy their whole caches there each call (~2.5 GB for 64 Sokoban rows by
+        #: turn 5, from the cache's shape); on fresh pages that copy took ~2.2 s a call on this project's VM, the same
+        #: copy on reused memory ~0.14 s (``docs/performance-history.md``, "Zen 5, stops 48–50").
         self.prefix_pages: list[KeptBuffer] = []
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0

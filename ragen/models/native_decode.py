@@ -35,10 +35,10 @@ def can_run(weights, cache, prefix, model=None) -> bool:
         return False
     # filled_views: the kernel only writes the cache (its prefix columns are read from ``prefix``), so a row copy that
     # GrowingLayer.reorder_cache deferred stays deferred
-    if not all(type(layer) is GrowingLayer and layer.filled_views()[0] is not None and layer.filled_views()[0].dim() == 4
-               for layer in cache.layers):
+    views = [layer.filled_views() if type(layer) is GrowingLayer else (None, None) for layer in cache.layers]
+    if not all(keys is not None and keys.dim() == 4 for keys, _ in views):
         return False
-    keys, values = cache.layers[0].filled_views()
+    keys, values = views[0]
     head_dim = keys.shape[-1]
     return (head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and keys.dtype == torch.float32 and values.dtype == torch.bfloat16
             and weights.norm.dtype == torch.float32 and all(w.norm_in.dtype == torch.float32 for w in weights.layers)
