@@ -269,6 +269,25 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from ragen.config import ConfigError, load_config
+    from ragen.eval.sweep import format_table, parse_seeds, sweep
+
+    try:
+        seeds = parse_seeds(args.seeds)
+        load_config(args.preset, [*args.overrides, "seed=0"])  # a bad key fails here, not once per seed
+        results = sweep(args.preset, seeds, Path(args.out), list(args.overrides))
+    except (ConfigError, ValueError, FileExistsError) as exc:
+        return _fail(str(exc))
+    if not results:
+        return _fail("no seed's run finished")
+    table = format_table(results)
+    print(table)
+    if args.table:
+        Path(args.table).write_text(table + "\n")
+    return 0 if len(results) == len(seeds) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragen", description="Train LLM agents with multi-turn RL (StarPO).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -309,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the full report as JSON to OUT")
     evaluate.add_argument("--no-baselines", action="store_true", help="skip the random and expert agents")
     evaluate.set_defaults(func=cmd_eval)
+    sweep = sub.add_parser("sweep", help="train a preset on several seeds and print each seed's validation gain")
+    sweep.add_argument("preset", help="a preset (ragen/configs/) or a YAML config path")
+    sweep.add_argument("overrides", nargs="*", help="dotted key=value overrides for every seed's run")
+    sweep.add_argument("--seeds", default="0-7", help="seeds: 0-7, 0,2,5 or 0-3,8 (default 0-7)")
+    sweep.add_argument("--out", required=True, help="sweep directory: one run dir per seed (OUT/seed_S), kept and reused")
+    sweep.add_argument("--table", default=None, help="also write the table (Markdown) to this file")
+    sweep.set_defaults(func=cmd_sweep)
     from ragen.sft.cli import add_sft_parser
 
     add_sft_parser(sub)

@@ -180,18 +180,27 @@ class AlgorithmConfig:
     use_turn_rewards: bool = False
     #: GiGPO's weight of the step-level (anchor-state) advantage.
     gigpo_step_weight: float = 1.0
+    #: GiGPO's discount of the step-level returns from each anchor state (the paper's γ = 0.95), kept apart from
+    #: ``gamma``, the token-level discount of the episode estimators.
+    gigpo_gamma: float = 0.95
     #: StarPO-S uncertainty filtering (1 = off): groups ranked by in-group reward std, highest first, kept until they
-    #: hold this share of the summed std (``top_p``) or are this share of the groups (``top_k``, RAGEN's count rule).
+    #: hold this share of the summed std (``top_p``, ``top_p_ragen``) or are this share of the groups (``top_k``,
+    #: RAGEN's count rule).
     filter_ratio: float = 1.0
-    #: "top_p" (share of the summed std) or "top_k" (share of the groups).
+    #: "top_p" (the fewest groups whose std share reaches the ratio; at least one), "top_p_ragen" (RAGEN's rule: the
+    #: same but zero-std groups never, a 0.01 slack on the target, and none at all when every group has std 0) or
+    #: "top_k" (share of the groups). docs/algorithms.md compares them.
     filter_mode: str = "top_p"
     #: KL to the initial policy as a loss term (StarPO-S removes it: off by default).
     use_kl_loss: bool = False
     #: KL to the initial policy as a per-token reward penalty.
     use_kl_in_reward: bool = False
     kl_coef: float = 0.001
-    #: KL estimator: k1, k2 or k3 (Schulman 2020).
+    #: KL estimator of the KL loss: k1, k2 or k3 (Schulman 2020).
     kl_type: str = "k3"
+    #: KL estimator of the in-reward penalty (``use_kl_in_reward``): k1, as verl and REINFORCE++ use there (its
+    #: per-token sum is the sequence's log-ratio, whose expectation is the KL); k2 or k3 as for the loss.
+    kl_in_reward_type: str = "k1"
     #: Critic loss weight (gae, bi_level_gae: a value head shares the policy's backbone).
     value_coef: float = 0.5
     #: PPO value clipping range (None = off).
@@ -610,7 +619,7 @@ def validate(config: RunConfig) -> None:
              "(torch.distributed.fsdp.fully_shard with FSDPModule.set_force_sum_reduction_for_comms)")
     need(config.algorithm.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
     need(config.algorithm.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = the whole batch)")
-    for key in ("gamma", "lam", "high_level_gamma"):
+    for key in ("gamma", "lam", "high_level_gamma", "gigpo_gamma"):
         need(0 <= getattr(config.algorithm, key) <= 1, f"algorithm.{key}", "must be in [0, 1]")
     need(0 <= config.algorithm.clip_ratio_low <= 1, "algorithm.clip_ratio_low", "must be in [0, 1] (the ratio's floor is 1 - it)")
     need(config.algorithm.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
@@ -632,8 +641,10 @@ def validate(config: RunConfig) -> None:
     need(config.lora.rank >= 0, "lora.rank", "must be >= 0")
     need(config.trainer.val_episodes >= 1, "trainer.val_episodes", "must be >= 1")
     need(0 < config.algorithm.filter_ratio <= 1, "algorithm.filter_ratio", "must be in (0, 1]")
-    need(config.algorithm.filter_mode in ("top_p", "top_k"), "algorithm.filter_mode", "must be 'top_p' or 'top_k'")
+    need(config.algorithm.filter_mode in ("top_p", "top_p_ragen", "top_k"), "algorithm.filter_mode",
+         "must be 'top_p', 'top_p_ragen' or 'top_k'")
     need(config.algorithm.kl_type in ("k1", "k2", "k3"), "algorithm.kl_type", "must be k1, k2 or k3")
+    need(config.algorithm.kl_in_reward_type in ("k1", "k2", "k3"), "algorithm.kl_in_reward_type", "must be k1, k2 or k3")
     need(
         config.algorithm.loss_agg_mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
         "algorithm.loss_agg_mode",

@@ -8,7 +8,7 @@ from typing import Any
 
 from gymnasium import spaces
 
-from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, after_start_rng, build_config
+from ragen.envs.base import ENV_METRIC_PREFIX, TextEnv, after_start_rng, build_config, group_member
 from ragen.envs.registry import register
 from ragen.envs.render import check_render_mode
 
@@ -42,9 +42,11 @@ NAMES = {
     },
 }
 
-#: How ``reset`` orders the two arms: "drawn" from the seeded generator (RAGEN's Bandit), or by "seed_parity" (the
-#: high arm second exactly on odd seeds: a position-balanced set of consecutive validation seeds).
-ARM_ORDERS = ("drawn", "seed_parity")
+#: How ``reset`` orders the two arms: "drawn" from the seeded generator (RAGEN's Bandit); "seed_parity" (the high
+#: arm second exactly on odd seeds: a position-balanced set of consecutive validation seeds); "group_balanced" (the
+#: drawn order for even group members, the other order for odd ones: within every group each listed position names
+#: each arm equally often, so a group's advantages can reward a name but never a position).
+ARM_ORDERS = ("drawn", "seed_parity", "group_balanced")
 
 _CHARSET = frozenset("".join(chr(c) for c in range(32, 127)) + "\n")
 
@@ -70,7 +72,9 @@ class BanditEnv(TextEnv):
     ## Starting State
     Arm names and their order are drawn from ``np_random`` at ``reset(seed=...)``. With
     ``arm_order="seed_parity"`` the order is instead set by the seed: the high arm is listed
-    second exactly when the seed is odd (the names and the payoff draw stay those of the seed).
+    second exactly when the seed is odd (the names and the payoff draw stay those of the seed). With
+    ``arm_order="group_balanced"`` the members of a group (``reset(options={"group_member": j})``) alternate
+    the two orders: even members see the drawn order, odd members the other one.
 
     ## Rewards
     The arm's payoff. The payoff draw uses the same seeded generator, so the same seed
@@ -92,7 +96,8 @@ class BanditEnv(TextEnv):
     side, for SFT data), ``low_payoff``, ``high_payoff``, ``high_prob``, ``arm_order`` ("drawn" |
     "seed_parity"; the built-in ``Bandit`` and ``BanditTest`` validation tags use "seed_parity", so that
     on consecutive seeds half the episodes list the high arm first and a policy that answers by position
-    scores exactly 0.5 on an even count: docs/main_job.md, "Names or position?"), ``own_payoff_draw``
+    scores exactly 0.5 on an even count; "group_balanced" trains on both orders within each group, so that
+    answering by position earns a group no advantage: the main job's preset uses it), ``own_payoff_draw``
     (False; True gives each member of a group its own payoff draw, so a group's advantages compare the
     arms over several draws instead of one: the main job's preset uses it, docs/main_job.md).
     """
@@ -143,6 +148,8 @@ class BanditEnv(TextEnv):
             if seed is None:
                 raise ValueError("bandit: arm_order='seed_parity' needs reset(seed=...)")
             self.high_action = 2 if seed % 2 else 1
+        elif self.config.arm_order == "group_balanced" and group_member(options, "bandit") % 2:
+            self.high_action = 3 - self.high_action
         self.action_lookup = {self.high_action: high, 3 - self.high_action: low}
         self._payoff_rng = after_start_rng(self, seed, options, self.config.own_payoff_draw, "bandit")
         self._done = False

@@ -49,7 +49,8 @@ class TrainBatch:
                              for k, v in self.__dict__.items()})
 
 
-def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> TrainBatch:
+def collate(trajectories: list[Trajectory], pad_id: int, step_gamma: float = 1.0) -> TrainBatch:
+    """One row per episode; ``step_gamma`` discounts the per-turn returns of ``step_returns`` (GiGPO's γ)."""
     B = len(trajectories)
     L = max(len(t.input_ids) for t in trajectories)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -67,7 +68,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, gamma: float = 1.0) -> 
         attention_mask[b, :n] = 1
         response_mask[b, : n - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float)
         seen = [traj.initial_observation] + [turn.observation for turn in traj.turns]
-        returns = discounted_returns([turn.reward for turn in traj.turns], gamma)
+        returns = discounted_returns([turn.reward for turn in traj.turns], step_gamma)
         ends = turn_end_targets(traj.turn_spans, response_mask[b])
         for k, ((start, end), turn, last) in enumerate(zip(traj.turn_spans, traj.turns, ends)):
             if last is not None:  # a turn without a trainable target is no turn for the estimators

@@ -311,7 +311,9 @@ class StarPOTrainer:
         if not usable:
             return {"actor/skipped_update": 1.0}
         usable, metrics = self.uncertainty_filter(usable)
-        batch = collate(usable, self.backend.pad_id, gamma=alg.gamma)  # one row per episode: advantages live here
+        if not usable:  # filter_mode=top_p_ragen keeps no group when none has reward spread
+            return {**metrics, "actor/skipped_update": 1.0}
+        batch = collate(usable, self.backend.pad_id, step_gamma=alg.gigpo_gamma)  # one row per episode: advantages live here
         # What the policy trains on: the episodes themselves, or (context_mode=window) one row per turn.
         if self.config.agent.context_mode == "window":
             samples, turn_index = collate_turns(usable, self.backend.pad_id)
@@ -327,7 +329,7 @@ class StarPOTrainer:
         per_episode = {k: to_episodes(v) for k, v in scored.items()}
         token_rewards = batch.turn_rewards if alg.use_turn_rewards else batch.token_rewards
         if alg.use_kl_in_reward:
-            kl = kl_penalty(per_episode["logprobs"], per_episode["ref_logprobs"], alg.kl_type) * batch.response_mask
+            kl = kl_penalty(per_episode["logprobs"], per_episode["ref_logprobs"], alg.kl_in_reward_type) * batch.response_mask
             token_rewards = token_rewards - alg.kl_coef * kl
             metrics["actor/kl_in_reward"] = float(masked_mean(kl, batch.response_mask))
         adv = per_tag_advantages(  # never across tags: see ragen/train/per_tag.py
@@ -388,7 +390,7 @@ class StarPOTrainer:
         alg = self.config.algorithm
         if alg.filter_ratio >= 1:
             return trajectories, {}
-        scores = torch.tensor([t.reward for t in trajectories])
+        scores = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)  # ranked in fp64 (filtering.py)
         groups = torch.tensor([t.group_id for t in trajectories])
         tags = [t.tag or t.env_name for t in trajectories]
         keep, metrics = per_tag_filter(scores, groups, tags, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)

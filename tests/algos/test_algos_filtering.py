@@ -64,3 +64,50 @@ def test_top_p_over_equal_stds_keeps_the_share_asked(groups, ratio):
     scores = torch.tensor([1.0, 0.0] * groups)  # every group one success of two: std 0.7071068
     keep, _ = uncertainty_filter(scores, torch.arange(groups).repeat_interleave(2), keep_ratio=ratio, mode="top_p")
     assert int(keep.sum()) // 2 == max(1, math.ceil(ratio * groups - 1e-9))
+
+
+# Groups of two scores (0, a): std a/√2, so the std shares are the a's shares exactly in real arithmetic.
+# (0.3, 0.1, 0.1, 0.1) at keep_ratio 0.5: the first group alone holds exactly half; (0.5, 0.1, 0.1, 0.1) at 0.625
+# and 0.875; (0.3, 0.3, 0.1, 0.1) at 0.375 and 0.75. Summed in fp32 these shares land just below the ratio.
+BOUNDARY_CASES = [
+    ((0.3, 0.1, 0.1, 0.1), 0.5, 1),
+    ((0.5, 0.1, 0.1, 0.1), 0.625, 1),
+    ((0.5, 0.1, 0.1, 0.1), 0.75, 2),
+    ((0.5, 0.1, 0.1, 0.1), 0.875, 3),
+    ((0.9, 0.1, 0.1, 0.1), 0.75, 1),
+    ((0.3, 0.3, 0.1, 0.1), 0.375, 1),
+    ((0.3, 0.3, 0.1, 0.1), 0.75, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("payoffs,ratio,groups_kept", BOUNDARY_CASES)
+def test_top_p_at_an_exact_share_boundary_keeps_the_fewest_groups(payoffs, ratio, groups_kept, dtype):
+    """A cumulative share that equals filter_ratio in real arithmetic reaches it, whatever the rewards' dtype."""
+    scores = torch.tensor([x for a in payoffs for x in (0.0, a)], dtype=dtype)
+    keep, metrics = uncertainty_filter(scores, torch.arange(4).repeat_interleave(2), keep_ratio=ratio, mode="top_p")
+    assert metrics["filter/kept_groups"] == groups_kept
+    assert keep.tolist() == [g < groups_kept for g in range(4) for _ in range(2)]
+
+
+def test_ragen_top_p_keeps_no_group_when_no_group_has_spread():
+    keep, metrics = uncertainty_filter(torch.ones(8), GROUPS, keep_ratio=0.5, mode="top_p_ragen")
+    assert not keep.any()
+    assert metrics["filter/kept_groups"] == 0 and metrics["filter/std_after"] == 0.0
+    # ragen's own rule keeps the uniform ⌈pG⌉ instead (test_all_zero_std_top_p_is_uniform)
+
+
+@pytest.mark.parametrize("ratio,kept", [(0.25, {9}), (0.6, {9, 5}), (0.9, {9, 5, 8}), (0.999, {9, 5, 8})])
+def test_ragen_top_p_golden(ratio, kept):
+    """Target p·Σstd − 0.01 with Σstd = 4.9497: 0.25 → 1.227 (9 alone: 2.83), 0.6 → 2.96 (9 + 5: 4.24),
+    0.9 → 4.44 (9 + 5 + 8: 4.95); at 0.999 the zero-std group 3 is never added."""
+    keep, _ = uncertainty_filter(SCORES, GROUPS, keep_ratio=ratio, mode="top_p_ragen")
+    assert keep.tolist() == [int(g) in kept for g in GROUPS]
+
+
+def test_ragen_top_p_keeps_none_when_the_summed_std_is_below_its_slack():
+    scores = torch.tensor([0.0, 0.01, 0.0, 0.0])  # one group of std 0.00707: 0.5 · 0.00707 − 0.01 < 0
+    keep, _ = uncertainty_filter(scores, torch.tensor([0, 0, 1, 1]), keep_ratio=0.5, mode="top_p_ragen")
+    assert not keep.any()
+    keep, _ = uncertainty_filter(scores, torch.tensor([0, 0, 1, 1]), keep_ratio=0.5, mode="top_p")
+    assert keep.tolist() == [True, True, False, False]

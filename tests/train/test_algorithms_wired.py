@@ -33,18 +33,21 @@ def test_every_estimator_trains_on_sokoban(estimator, tmp_path):
         ["algorithm.use_kl_loss=true", "algorithm.kl_type=k3"],
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_type=k1", "lora.rank=4"],
         ["algorithm.filter_ratio=0.5", "algorithm.filter_mode=top_k"],
+        ["algorithm.filter_ratio=0.5", "algorithm.filter_mode=top_p_ragen"],
         ["algorithm.use_turn_rewards=true", "algorithm.adv_estimator=reinforce_pp"],
         ["algorithm.loss_agg_mode=seq-mean-token-sum", "algorithm.adv_estimator=dr_grpo", "algorithm.clip_ratio_c=3.0"],
     ],
-    ids=["ppo-epochs", "kl-loss", "kl-reward-lora", "filter", "turn-rewards", "dr-grpo-dual-clip"],
+    ids=["ppo-epochs", "kl-loss", "kl-reward-lora", "filter", "filter-ragen-rule", "turn-rewards", "dr-grpo-dual-clip"],
 )
 def test_stabilisers_and_update_modes(extra, tmp_path):
     assert main(["train", "sokoban", f"trainer.output_dir={tmp_path}", *SMALL, *extra]) == 0
     last = _metrics(tmp_path)[-1]
     if "algorithm.use_kl_loss=true" in extra:
         assert "actor/kl_loss" in last
-    if "algorithm.filter_ratio=0.5" in extra:
+    if "algorithm.filter_mode=top_k" in extra:
         assert last["filter/kept_ratio"] == pytest.approx(0.5)
+    if "algorithm.filter_mode=top_p_ragen" in extra:  # no group kept (none has reward spread) skips the update
+        assert last["filter/kept_ratio"] == 0.0 or "actor/grad_norm" in last
 
 
 def test_rollouts_are_logged_with_token_level_detail(tmp_path):
