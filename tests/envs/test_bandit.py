@@ -134,7 +134,7 @@ def test_seed_parity_order_balances_consecutive_seeds_and_keeps_names_and_payoff
 
 
 def test_seed_parity_order_needs_a_seed_and_a_known_name():
-    with pytest.raises(ValueError, match="arm_order must be one of \\['drawn', 'seed_parity'\\]"):
+    with pytest.raises(ValueError, match="arm_order must be one of \\['drawn', 'seed_parity', 'group_balanced'\\]"):
         ragen.envs.make("bandit", arm_order="random")
     env = ragen.envs.make("bandit", arm_order="seed_parity")
     with pytest.raises(ValueError, match="needs reset\\(seed=...\\)"):
@@ -170,3 +170,33 @@ def test_own_payoff_draw_gives_each_group_member_its_own_reproducible_draw():
     assert abs(sum(hits) / len(hits) - 0.25) < 0.07  # 360 pulls of a 0.25 arm, within ~3 standard errors
     with pytest.raises(ValueError, match="options\\['group_member'\\] must be an int >= 0"):
         own.reset(seed=0, options={"group_member": -1})
+
+
+def test_group_balanced_order_alternates_within_a_group_and_keeps_names_and_draws():
+    """Even members see the seed's drawn order, odd members the other one; names and own payoff draws are unchanged."""
+    from ragen.envs.bandit import BanditEnv
+
+    for seed in range(20):
+        drawn = BanditEnv(own_payoff_draw=True)
+        balanced = BanditEnv(own_payoff_draw=True, arm_order="group_balanced")
+        for member in range(4):
+            drawn.reset(seed=seed, options={"group_member": member})
+            balanced.reset(seed=seed, options={"group_member": member})
+            swapped = member % 2 == 1
+            assert balanced.high_action == (3 - drawn.high_action if swapped else drawn.high_action)
+            assert sorted(balanced.action_lookup.values()) == sorted(drawn.action_lookup.values())
+            high_d, high_b = drawn.action_lookup[drawn.high_action], balanced.action_lookup[balanced.high_action]
+            assert high_d == high_b
+            # the same arm meets the same payoff draw
+            assert drawn.step(drawn.high_action)[1] == balanced.step(balanced.high_action)[1]
+
+
+def test_group_balanced_groups_list_each_arm_first_equally_often():
+    from ragen.envs.bandit import BanditEnv
+
+    env = BanditEnv(arm_order="group_balanced")
+    firsts = []
+    for member in range(4):
+        env.reset(seed=7, options={"group_member": member})
+        firsts.append(env.high_action == 1)
+    assert sum(firsts) == 2
