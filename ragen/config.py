@@ -219,8 +219,13 @@ class AlgorithmConfig:
     #: Training samples per optimizer step (0 = the whole rollout batch). A sample is an episode
     #: (``agent.context_mode=full``) or one turn (``window``).
     mini_batch_size: int = 0
-    #: Sequences per forward/backward pass (gradient accumulation inside a mini-batch).
+    #: Sequences per forward/backward pass at most (gradient accumulation inside a mini-batch).
     micro_batch_size: int = 16
+    #: Tokens per forward/backward pass at most, padding included (rows × longest row; 0 = no bound): the memory
+    #: knob, since activations grow with tokens, not sequences. Short episodes run ``micro_batch_size`` to a pass,
+    #: long ones fewer; a sample longer than this runs alone (and ``trainer.gradient_checkpointing=auto`` then
+    #: checkpoints its layers). The gradient is the same however the rows are cut (ragen/train/micro_batches.py).
+    max_tokens_per_micro_batch: int = 2048
     #: Dropout off in the policy (``ragen/models/dropout.py``): π_old is scored without it, so with it the
     #: PPO ratio and KL would compare two different functions. ``lora.dropout`` still applies.
     disable_dropout: bool = True
@@ -305,7 +310,9 @@ class TrainerConfig:
     #: the layer in the backward pass (ragen/models/checkpointing.py). Far less memory on long
     #: multi-turn episodes for about one extra forward pass; the update then runs shared prompts
     #: once per row (``share_prompt_prefix`` needs a KV cache, which a checkpointed layer cannot write).
-    gradient_checkpointing: bool = False
+    #: ``auto``: on for an update whose longest sample alone exceeds ``algorithm.max_tokens_per_micro_batch``
+    #: (the token budget cannot split it further), off otherwise; ``true`` / ``false``: always / never.
+    gradient_checkpointing: str = "auto"
     #: Under ``torchrun``: shard the decoder layers' weights, gradients and AdamW moments over the
     #: ranks (FSDP2) instead of keeping a whole copy on each. Same updates up to float rounding; rank 0
     #: keeps an unsharded replica to generate with. No effect in a single process. ragen/train/fsdp.py.
@@ -326,6 +333,18 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+#: What ``trainer.gradient_checkpointing`` may say (YAML's true/false arrive as the strings "True"/"False").
+CHECKPOINTING_SETTINGS = {"auto": "auto", "true": "true", "false": "false", "on": "true", "off": "false"}
+
+
+def checkpointing_setting(value: Any, key: str) -> str:
+    """``auto``, ``true`` or ``false`` for a ``gradient_checkpointing`` value; :class:`ConfigError` naming ``key``."""
+    setting = CHECKPOINTING_SETTINGS.get(str(value).strip().lower())
+    if setting is None:
+        raise ConfigError(f"config key {key!r}: must be auto, true or false (got {value!r})")
+    return setting
 
 
 def _friendly(exc: OmegaConfBaseException) -> str:
@@ -628,6 +647,9 @@ def validate(config: RunConfig) -> None:
     need(config.algorithm.clip_range_value is None or config.algorithm.clip_range_value > 0, "algorithm.clip_range_value",
          "must be > 0 or null (off)")
     need(config.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size", "must be >= 1")
+    need(config.algorithm.max_tokens_per_micro_batch >= 0, "algorithm.max_tokens_per_micro_batch", "must be >= 0 (0: no bound)")
+    config.trainer.gradient_checkpointing = checkpointing_setting(config.trainer.gradient_checkpointing,
+                                                                  "trainer.gradient_checkpointing")
     need(config.rollout.max_episodes_in_flight >= 0, "rollout.max_episodes_in_flight", "must be >= 0 (0 = all at once)")
     need(config.rollout.reuse_kv_max_gb > 0, "rollout.reuse_kv_max_gb",
          "must be > 0 (rollout.reuse_kv=false keeps no caches at all)")
@@ -704,7 +726,7 @@ RESUME_SAFE_KEYS = {
     "trainer.logger", "trainer.plot", "trainer.fsdp",
     # same results up to float rounding (tests/models/test_checkpointing.py, tests/train/test_micro_batches.py):
     # the fixes after an OOM kill
-    "trainer.gradient_checkpointing", "algorithm.micro_batch_size",
+    "trainer.gradient_checkpointing", "algorithm.micro_batch_size", "algorithm.max_tokens_per_micro_batch",
 }
 
 
@@ -734,7 +756,7 @@ def resume_safe(key: str, config: dict[str, Any], safe_keys: set[str] = RESUME_S
     draw other masks: the micro-batch size (masks per micro-batch; ``*.micro_batch_size`` of RL and SFT) and
     ``trainer.fsdp`` (its padding passes draw too), under LoRA dropout or, in RL, with the model's own dropout left
     on (``algorithm.disable_dropout=false``: the model may have some; its config is not read here)."""
-    if key.endswith(".micro_batch_size") or key == "trainer.fsdp":
+    if key.endswith((".micro_batch_size", ".max_tokens_per_micro_batch")) or key == "trainer.fsdp":
         if config.get("lora.rank", 0) > 0 and config.get("lora.dropout", 0) > 0:
             return False
         if config.get("algorithm.disable_dropout") is False:

@@ -41,6 +41,15 @@ def enable_checkpointing(model) -> None:
         base.disable_input_require_grads()
 
 
+def disable_checkpointing(model) -> None:
+    """Undo :func:`enable_checkpointing`: every decoder layer keeps its activations again."""
+    base = base_model(model)
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    elif getattr(base, "supports_gradient_checkpointing", False):
+        base.gradient_checkpointing_disable()
+
+
 def is_checkpointing(model) -> bool:
     """True if any decoder layer of ``model`` is set to checkpoint (the flag transformers sets on each).
 

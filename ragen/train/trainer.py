@@ -30,12 +30,13 @@ from ragen.files import atomic_open, strict_dumps, write_text_atomic
 from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
-from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
+from ragen.train import micro_batches
+from ragen.train.checkpoint_choice import CheckpointingChoice
 from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.distributed import (all_ranks, all_reduce_grads, barrier, broadcast_object, init_distributed,
-                                     micro_batch_count, rank_world, reduce_metrics, shard)
+                                     rank_world, reduce_metrics, shard)
 from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
 from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics, restore_latest, save_checkpoint,
                                     truncate_metrics)
@@ -106,8 +107,9 @@ class StarPOTrainer:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)  # adapters join their base layers' device
         train_top_layers(self.model, config.optim.trainable_layers)
-        if config.trainer.gradient_checkpointing:
-            enable_checkpointing(self.model)  # acts in training mode only, i.e. in update()
+        # acts in training mode only, i.e. in update(); auto decides there, per update (checkpoint_choice.py)
+        self.checkpointing = CheckpointingChoice(self.model, config.trainer.gradient_checkpointing,
+                                                 config.algorithm.max_tokens_per_micro_batch, self.say)
         self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if alg.adv_estimator in CRITIC_ESTIMATORS else None
         # What rank 0 generates with: the trained model itself, or under FSDP an unsharded replica
         # kept in step by sync_rollout_weights() (a sharded model needs every rank in each forward).
@@ -348,6 +350,7 @@ class StarPOTrainer:
             old_logprobs=scored.get("logprobs") if moves else None,
             old_values=scored.get("values"), ref_logprobs=scored.get("ref_logprobs"),
         )
+        self.checkpointing.before_update(int(samples.attention_mask.sum(1).max()))
         self.model.train()
         zero_gradient = self.gradient_is_zero(targets.advantages)  # the same on every rank: advantages are global
         history: list[dict[str, float]] = []
@@ -424,22 +427,19 @@ class StarPOTrainer:
         alg = self.config.algorithm
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = batch.response_mask.sum().clamp(min=1)  # global: every rank holds the whole mini-batch
-        mine = shard(len(batch), *rank_world())
         # this rank's rows (a random slice: the mini-batch is shuffled), whole groups longest-first
-        # within it, so its micro-batches hold rows of similar length (see group_contiguous)
-        local_rows = torch.arange(mine.start, mine.stop)
-        local_rows = group_contiguous(local_rows, batch.group_ids, batch.attention_mask.sum(1))
+        # within it, cut into micro-batches by row count and token budget (ragen/train/micro_batches.py)
+        local_rows, passes = self.local_micro_batches(batch, rank_world()[0])
         local, local_targets = batch.select(local_rows), targets.select(local_rows)
         sums: dict[str, float] = {}
         ev_sums = ExplainedVarianceSums()
-        size = alg.micro_batch_size
         # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);
         # a rank out of rows repeats the batch's first row with weight 0.
-        count = micro_batch_count(len(batch), size, self.world) if self.fsdp else -(-len(local) // size)
+        count = max(len(self.local_micro_batches(batch, r)[1]) for r in range(self.world)) if self.fsdp else len(passes)
         for i in range(count):
-            padding = i * size >= len(local)
+            padding = i >= len(passes)
             source, source_targets = (batch, targets) if padding else (local, local_targets)
-            rows = slice(0, 1) if padding else slice(i * size, (i + 1) * size)
+            rows = slice(0, 1) if padding else slice(passes[i].start, passes[i].stop)
             micro = source.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
             T = micro.response_mask.shape[1]
             tgt = source_targets.select(rows, T).to(self.device)
@@ -506,12 +506,13 @@ class StarPOTrainer:
         wanted = (["logprobs"] if policy else []) + (["values"] if values else [])
         for name in wanted + (["ref_logprobs"] if ref else []):
             out[name] = torch.zeros_like(batch.response_mask)
-        step = self.config.algorithm.micro_batch_size
+        alg = self.config.algorithm
         temperature = self.config.rollout.temperature
         # groups adjacent, longest first: micro-batches of similar lengths (see group_contiguous)
         order = group_contiguous(torch.arange(len(batch)), batch.group_ids, batch.attention_mask.sum(1))  # (B,)
-        for start in range(0, len(batch), step):
-            rows = order[start : start + step]
+        lengths = batch.attention_mask.sum(1)[order].tolist()
+        for part in micro_batches.plan(lengths, alg.micro_batch_size, alg.max_tokens_per_micro_batch):
+            rows = order[part.start : part.stop]
             micro = batch.select(rows).trim().to(self.device)
             T = micro.response_mask.shape[1]
             args = (micro.input_ids, micro.attention_mask, micro.response_mask)
@@ -527,6 +528,22 @@ class StarPOTrainer:
                         out["ref_logprobs"][rows, :T] = policy_forward(
                             ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs.to(out["ref_logprobs"].device)
         return out
+
+    def local_micro_batches(self, batch: TrainBatch, rank: int) -> tuple[torch.Tensor, list[range]]:
+        """Rank ``rank``'s rows of an update mini-batch (whole groups, longest first) and its micro-batches over them.
+        Every rank can compute every rank's: all hold the whole mini-batch and shard it the same way."""
+        mine = shard(len(batch), rank, self.world)
+        rows = group_contiguous(torch.arange(mine.start, mine.stop), batch.group_ids, batch.attention_mask.sum(1))
+        alg = self.config.algorithm
+        lengths = batch.attention_mask.sum(1)[rows].tolist()
+        return rows, micro_batches.plan(lengths, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
+
+    def say(self, line: str) -> None:
+        """One console line from rank 0, above the progress bar if one is showing."""
+        if self.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line)
 
     def agreed_layout(self, micro: TrainBatch, prompt_lengths: torch.Tensor | None) -> str:
         """The shared-prompt layout of an update micro-batch: ``"auto"``, except under FSDP, where the ranks'

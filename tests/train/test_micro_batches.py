@@ -83,13 +83,17 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
     epochs (so the second one's ratios move and clip), the gradients and every logged metric of 6 rows in 1,
     2 (4 + 2) and 6 micro-batches agree to fp32 rounding; that is why ``algorithm.micro_batch_size`` may change
     on ``--resume``."""
-    runs, real_clip = {}, trainer_module.clip_grad_norm_
-    for size in (6, 4, 1):
+    runs, real_clip, real_forward = {}, trainer_module.clip_grad_norm_, trainer_module.policy_forward
+    # micro-batches by row count (6, 4, 1 rows), and by a token budget of 31 padded tokens (rows of 23-32 tokens: one a pass; the
+    # 32-token rows exceed it and run alone, checkpointed: gradient_checkpointing=auto)
+    cuts = {6: ["algorithm.micro_batch_size=6"], 4: ["algorithm.micro_batch_size=4"], 1: ["algorithm.micro_batch_size=1"],
+            "tokens": ["algorithm.micro_batch_size=6", "algorithm.max_tokens_per_micro_batch=31"]}
+    for size, cut in cuts.items():
         config = load_config("bandit", [
             "model=tiny", f"trainer.output_dir={tmp_path / str(size)}", "trainer.val_episodes=1", "trainer.precision=fp32",
             "algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.1", "algorithm.ppo_epochs=2",
             "algorithm.clip_ratio_low=0.001", "algorithm.clip_ratio_high=0.001", "optim.lr=1e-3",
-            "algorithm.entropy_coeff=0.01", f"algorithm.loss_agg_mode={agg}", f"algorithm.micro_batch_size={size}"])
+            "algorithm.entropy_coeff=0.01", f"algorithm.loss_agg_mode={agg}", "algorithm.max_tokens_per_micro_batch=0", *cut])
         torch.manual_seed(0)  # the same tiny weights and value head for every size
         trainer = StarPOTrainer(config)
         grads = []
@@ -100,13 +104,24 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
             return real_clip(params, max_norm)
 
         monkeypatch.setattr(trainer_module, "clip_grad_norm_", record)
+        passes = []
+
+        def counting(model, input_ids, *args, passes=passes, real_forward=real_forward, **kw):
+            if torch.is_grad_enabled():
+                passes.append(tuple(input_ids.shape))
+            return real_forward(model, input_ids, *args, **kw)
+
+        monkeypatch.setattr(trainer_module, "policy_forward", counting)
         torch.manual_seed(1)
         metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
         runs[size] = grads, metrics
+        if size == "tokens":  # the budget did cut: no pass above 31 tokens but for a row alone, checkpointed
+            assert len(passes) > 2 and all(rows * length <= 31 or rows == 1 for rows, length in passes), passes
+            assert trainer.checkpointing.on
     whole_grads, whole_metrics = runs[6]
     assert len(whole_grads) == 2 and any(g.abs().sum() > 0 for n, g in whole_grads[0].items() if n.startswith("value_head"))
     assert whole_metrics["actor/clipfrac_low"] + whole_metrics["actor/clipfrac_high"] > 0  # epoch 2 clips
-    for size in (4, 1):
+    for size in (4, 1, "tokens"):
         grads, metrics = runs[size]
         for step, whole in zip(grads, whole_grads):
             assert step.keys() == whole.keys()
