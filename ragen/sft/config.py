@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, absolute_path,
+                          checkpointing_setting,
                           builtin_model_names, flat_config, load_yaml_mapping, overrides_layer, resume_safe)
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
@@ -78,10 +79,15 @@ class SFTTrainerConfig:
     progress_bar: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
+    #: Tokens per forward/backward pass at most, padding included (rows × longest row; 0 = no bound): the memory
+    #: knob, since activations grow with tokens. Short chats run ``micro_batch_size`` to a pass, long ones fewer;
+    #: a chat longer than this runs alone (ragen/train/micro_batches.py). The loss is the same however they are cut.
+    max_tokens_per_micro_batch: int = 2048
     #: Activation checkpointing: keep only each decoder layer's input and recompute the layer in the
     #: backward pass (ragen/models/checkpointing.py): far less memory on long chats for about one
-    #: extra forward pass per step.
-    gradient_checkpointing: bool = False
+    #: extra forward pass per step. ``auto``: on for a step whose longest chat exceeds
+    #: ``max_tokens_per_micro_batch``; ``true`` / ``false``: always / never.
+    gradient_checkpointing: str = "auto"
 
 
 @dataclass
@@ -143,7 +149,7 @@ RESUME_SAFE_KEYS = {
     "trainer.num_threads",
     # same results up to float rounding (tests/models/test_checkpointing.py, tests/sft/test_train.py): the fixes
     # after an OOM kill
-    "trainer.gradient_checkpointing", "trainer.micro_batch_size",
+    "trainer.gradient_checkpointing", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
 }
 
 
@@ -181,6 +187,9 @@ def validate(config: SFTConfig) -> None:
     need(config.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")
     need(config.trainer.batch_size >= 1, "trainer.batch_size", "must be >= 1")
     need(config.trainer.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+    need(config.trainer.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch", "must be >= 0 (0: no bound)")
+    config.trainer.gradient_checkpointing = checkpointing_setting(config.trainer.gradient_checkpointing,
+                                                                  "trainer.gradient_checkpointing")
     need(config.trainer.precision in PRECISIONS, "trainer.precision", f"must be one of {', '.join(PRECISIONS)}")
     need(check_device_spec(config.trainer.device) is None, "trainer.device", str(check_device_spec(config.trainer.device)))
     config.trainer.precision = resolve_precision(config.trainer.precision, config.trainer.device)

@@ -24,15 +24,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ragen.models import apply_lora, autocast, load_model
-from ragen.models.checkpointing import enable_checkpointing
 from ragen.models.device import resolve_device
 from ragen.sft.config import SFTConfig, to_yaml
 from ragen.sft.data import SFTBatch, collate, load_dataset, step_examples
 from ragen.sft.preflight import check_run_dir, data_change_problem
 from ragen.files import file_sha256, strict_dumps, write_dir_atomic, write_text_atomic
+from ragen.train import micro_batches
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
+from ragen.train.checkpoint_choice import CheckpointingChoice
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
@@ -76,8 +78,8 @@ class SFTTrainer:
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)
-        if t.gradient_checkpointing:
-            enable_checkpointing(self.model)
+        self.checkpointing = CheckpointingChoice(self.model, t.gradient_checkpointing, t.max_tokens_per_micro_batch,
+                                                 tqdm.write, prefix="[ragen sft]")
         per_step = min(t.batch_size, len(self.data.train))
         self.total_steps = t.max_steps or math.ceil(t.epochs * len(self.data.train) / per_step)
         self.optimizer = adamw(self.trainable_parameters(), lr=config.optim.lr,
@@ -170,8 +172,9 @@ class SFTTrainer:
         examples = sorted(examples, key=len)  # less padding per micro-batch
         total_tokens = max(1, sum(e.num_trained for e in examples))
         loss_sum = 0.0
-        for start in range(0, len(examples), cfg.trainer.micro_batch_size):
-            batch = collate(examples[start : start + cfg.trainer.micro_batch_size], self.pad_id)
+        self.checkpointing.before_update(len(examples[-1]))
+        for part in self.micro_batches(examples):
+            batch = collate(examples[part.start : part.stop], self.pad_id)
             nll_sum = self.nll_sum(batch)  # scalar: summed NLL of the micro-batch's assistant tokens
             (nll_sum / total_tokens).backward()
             loss_sum += float(nll_sum.detach())
@@ -196,12 +199,17 @@ class SFTTrainer:
         self.model.eval()
         total, tokens = 0.0, 0
         examples = sorted(self.data.eval, key=len)
-        for start in range(0, len(examples), self.config.trainer.micro_batch_size):
-            batch = collate(examples[start : start + self.config.trainer.micro_batch_size], self.pad_id)
+        for part in self.micro_batches(examples):
+            batch = collate(examples[part.start : part.stop], self.pad_id)
             total += float(self.nll_sum(batch))
             tokens += int(batch.loss_mask.sum())
         loss = total / max(1, tokens)
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+    def micro_batches(self, examples) -> list[range]:
+        """Length-sorted ``examples`` cut by ``trainer.micro_batch_size`` rows and ``max_tokens_per_micro_batch``."""
+        t = self.config.trainer
+        return micro_batches.plan([len(e) for e in examples], t.micro_batch_size, t.max_tokens_per_micro_batch)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -135,14 +135,21 @@ def test_the_micro_batch_size_changes_only_rounding_so_resume_accepts_it(tmp_pat
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record)
     losses = {}
-    for size in (4, 3, 1):
-        config = load_sft_config(None, [f"data.path={data}", *FAST, "trainer.precision=fp32",
-                                        f"trainer.micro_batch_size={size}", f"trainer.output_dir={tmp_path / str(size)}"])
+    # by rows (4, 3, 1 a pass), and by a token budget of 40 padded tokens (the longest chat exceeds it: alone, and
+    # checkpointed by gradient_checkpointing=auto)
+    cuts = {4: ["trainer.micro_batch_size=4"], 3: ["trainer.micro_batch_size=3"], 1: ["trainer.micro_batch_size=1"],
+            "tokens": ["trainer.micro_batch_size=4", "trainer.max_tokens_per_micro_batch=40"]}
+    for size, cut in cuts.items():
+        config = load_sft_config(None, [f"data.path={data}", *FAST, "trainer.precision=fp32", *cut,
+                                        f"trainer.output_dir={tmp_path / str(size)}"])
         trainer = SFTTrainer(config)
         batch = trainer.data.train[:4]
         assert len({e.num_trained for e in batch}) > 2  # uneven: a per-micro-batch mean would weigh tokens differently
         losses[size] = trainer.optimizer_step(batch)["train/loss"]
-    for size in (3, 1):
+        if size == "tokens":
+            assert max(len(e) for e in batch) > 40 and trainer.checkpointing.on
+            assert len(trainer.micro_batches(sorted(batch, key=len))) > 1
+    for size in (3, 1, "tokens"):
         assert losses[size] == pytest.approx(losses[4], rel=1e-6)
         for got, whole in zip(grads[size], grads[4]):
             assert (got - whole).norm() <= 1e-5 * whole.norm() + 1e-12
