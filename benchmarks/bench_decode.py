@@ -1,4 +1,4 @@
-"""Decode levers side by side: linears as ``(W @ hᵀ)ᵀ`` and a KV cache that grows in place (issue 7).
+"""Decode levers side by side: linears as ``(W @ hᵀ)ᵀ`` and a KV cache that grows in place.
 
     .venv/bin/python benchmarks/bench_decode.py --threads 2                  # ~8 min on a quiet machine
     .venv/bin/python benchmarks/bench_decode.py --threads 2 --sections gemm steps --rounds 3

@@ -1,4 +1,4 @@
-"""Per-rank memory of a 2-rank update with and without ``trainer.fsdp`` (issue 8), on the embedded model.
+"""Per-rank memory of a 2-rank update with and without ``trainer.fsdp``, on the embedded model.
 
     .venv/bin/python benchmarks/bench_fsdp_memory.py                  # smollm2-135m, 2 RL steps per arm, ~6 min here
     .venv/bin/python benchmarks/bench_fsdp_memory.py --model tiny     # seconds: checks the script runs

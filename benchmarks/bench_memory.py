@@ -1,4 +1,4 @@
-"""Peak RSS of a full fine-tune and a LoRA run of the embedded 135M model at the main job's batch (issue 7, item 4).
+"""Peak RSS of a full fine-tune and a LoRA run of the embedded 135M model at the main job's batch.
 
     .venv/bin/python benchmarks/bench_memory.py                     # load-only, full, LoRA r=16, 2 RL steps each
     .venv/bin/python benchmarks/bench_memory.py --validate --threads 2 --runs full

@@ -1,4 +1,4 @@
-"""Multi-turn rollout: history re-encoding with and without KV caches kept between turns (issue 7, item 3).
+"""Multi-turn rollout: history re-encoding with and without KV caches kept between turns.
 
     .venv/bin/python benchmarks/bench_multiturn.py                               # 64 Sokoban envs x 5 turns, embedded model
     .venv/bin/python benchmarks/bench_multiturn.py --model tiny --groups 4        # smoke run (seconds)

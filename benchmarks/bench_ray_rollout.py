@@ -1,4 +1,4 @@
-"""Rollout throughput: local rollout vs Ray rollout workers (``rollout.backend=ray``), issue 8.
+"""Rollout throughput: local rollout vs Ray rollout workers (``rollout.backend=ray``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_ray_rollout.py                  # smollm2-135m, local / ray x1 / ray x2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_ray_rollout.py --model tiny --steps 1   # smoke run (seconds)

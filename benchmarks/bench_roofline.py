@@ -1,4 +1,4 @@
-"""Roofline: generation and update throughput as model-FLOPs utilisation of this CPU (issue 7, item 2).
+"""Roofline: generation and update throughput as model-FLOPs utilisation of this CPU.
 
     .venv/bin/python benchmarks/bench_roofline.py                   # smollm2-135m, 1 thread, ~4 min
     .venv/bin/python benchmarks/bench_roofline.py --threads 2       # both cores: only on a quiet machine
@@ -25,11 +25,10 @@ One process, in this order, so every ratio comes from the same run:
    Unhooked, as in ``ragen train``: the backend's own timers split prefill from decoding. ``--gen-calls``
    calls per batch size (5 by default), each a whole rollout as one RL step makes it (the fused weights built,
    the prompts prefilled, 32 tokens decoded); the median call is the reported figure and the verdict, with every
-   call's seconds beside it (before stop 44 one call was timed: consecutive calls differed by up to 1.4x on a
-   noisy VM).
+   call's seconds beside it (consecutive calls can differ by up to 1.4x on a noisy VM).
 5. Peaks again.
 
-MFU (issue 7's definition) = model FLOPs / seconds / peak, with 2·N FLOPs per generated
+MFU = model FLOPs / seconds / peak, with 2·N FLOPs per generated
 token and 6·N per trained token (N = parameters, tied embedding counted once), against the
 best matmul of the precision the run actually uses (``precision=auto`` resolves to fp32
 without native bf16) measured right before or after that section (the larger, i.e. the
@@ -62,7 +61,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL = "smollm2-135m"  # ragen's embedded default
-TARGET_GEN, TARGET_UPDATE = 0.25, 0.40  # issue 7: generation >= 25 % at batch >= 32, update >= 40 %
+TARGET_GEN, TARGET_UPDATE = 0.25, 0.40  # targets: generation >= 25 % at batch >= 32, update >= 40 %
 
 
 # ---------------------------------------------------------------------------- machine
@@ -283,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64], help="generation batch sizes")
     ap.add_argument("--new-tokens", type=int, default=32, help="exact new tokens per generated row")
     ap.add_argument("--gen-calls", type=int, default=5,
-                    help="generate calls per batch size (>= 1); the median call is reported (8 consecutive calls at batch "
-                         "32 took 1.77-2.45 s on the Zen 5 VM at stop 44)")
+                    help="generate calls per batch size (>= 1); the median call is reported (consecutive calls on a "
+                         "noisy VM can differ by a third)")
     ap.add_argument("--steps", type=int, default=3, help="timed main-job RL steps (rollout + update)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed RL steps first (a run's first two updates fault in fresh memory)")
     ap.add_argument("--threads", type=int, default=1,

@@ -1,4 +1,4 @@
-"""The update's levers side by side: fused AdamW, the hand-written target log-probs, grouped attention (issue 7).
+"""The update's levers side by side: fused AdamW, the hand-written target log-probs, grouped attention.
 
     .venv/bin/python benchmarks/bench_update.py                 # smollm2-135m, bench_vs_trl's shape, ~2 min
     .venv/bin/python benchmarks/bench_update.py --shape main    # the main job's shape (bandit preset as is)

@@ -1,4 +1,4 @@
-"""ragen vs TRL's ``GRPOTrainer``: seconds per RL step on the same model, prompts and shape (issue 7).
+"""ragen vs TRL's ``GRPOTrainer``: seconds per RL step on the same model, prompts and shape.
 
     /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py             # fp32, 1 warm-up + 3 timed steps each
     /tmp/benchvenv/bin/python benchmarks/bench_vs_trl.py --bf16      # bf16 autocast in both (slow without native bf16)
@@ -10,7 +10,7 @@ for both (TRL gains from it too).
 
 TRL is not a ragen dependency: run this from a separate venv holding ragen and the ``bench``
 extra (``pip install -e '.[bench]'``), never from the project venv (TRL may move transformers).
-The extra pins TRL 1.16.0, the release issue 7 names. From 1.15 on, ``GRPOTrainer`` always
+The extra pins TRL 1.16.0. From 1.15 on, ``GRPOTrainer`` always
 computes log-probs with its own chunked LM-head function (on a CPU: torch ops over 32 768-column
 vocabulary tiles, every position scored (it skips the prompt's positions only on Triton
 devices), logits recomputed in the backward), where 1.13.0 ran the LM head on the completion
@@ -28,8 +28,8 @@ token-mean clipped PG (TRL: ``loss_type="dapo"``, eps 0.2/0.28), no KL, one opti
 batch of 16, no gradient checkpointing, fp32 (or ``--bf16``). The 135M model does not close ``<answer>`` within 64
 forced tokens, so every reward is the format penalty and every advantage is 0: ragen's update would then skip its
 backward pass (the gradient is exactly zero; ``StarPOTrainer.gradient_is_zero``), which TRL runs anyway. By default
-ragen is made to run it too (the same work in both); ``--zero-gradient-skip`` times ragen as shipped (stop 44: its
-update 0.9-1.8 s against TRL's 17-23 s, 7.41x a step, of which the rollout 2.93x).
+ragen is made to run it too (the same work in both); ``--zero-gradient-skip`` times ragen as shipped
+(its update then skips the backward pass that TRL runs).
 
 The prompts are ragen's: the bandit prompts ragen's own rollout rendered (chat template,
 system prompt, ``<answer>`` response prefix) at each of its steps, given to TRL as the

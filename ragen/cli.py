@@ -63,7 +63,7 @@ def note_val_tags_keep_their_envs(config, overrides: list[str]) -> None:
 
 def run_era_overrides(config_yaml: str) -> list[str]:
     """Overrides that keep a resumed run on the behaviour it was trained with when its ``config.yaml`` predates a
-    key whose default changed it: ``algorithm.disable_dropout`` (stop 38) defaults to true, but a run written
+    key whose default changed it: ``algorithm.disable_dropout`` defaults to true, but a run written
     before it trained with the model's own dropout on."""
     from omegaconf import OmegaConf
 

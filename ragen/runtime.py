@@ -10,7 +10,7 @@ step's tensors land on pages that are already there. This covers tensors allocat
 thread, where torch runs the ops a training step launches; glibc's other arenas (threads that
 allocate themselves) still map large blocks afresh.
 
-Measured on a 2-core Xeon VM (docs/performance-history.md, "On a Xeon with AMX"): ``tests/test_runtime.py``'s
+Measured on a 2-core Xeon VM: ``tests/test_runtime.py``'s
 probe (four 192 MiB tensors per iteration) faults ~196 600 pages per iteration with glibc's
 defaults (every page of the four blocks) and 0 by the fifth iteration with this setting
 (``.venv/bin/python -c "import tests.test_runtime as t; print(t.probe()); print(t.probe(RAGEN_MALLOC='keep'))"``:

@@ -30,15 +30,15 @@ def tokenizer(tiny):
     return tiny[1]
 
 
-#: The longest test files, longest first (seconds of test time summed per file, `--durations=0` on the 2-core
-#: Cascade Lake VM, stop 43: 110, 97, 94, 74, 45, 44, 37, 34, 34, 30, 30). They are collected first: under
+#: The longest test files, longest first (seconds of test time summed per file, `pytest --durations=0` on a
+#: 2-core CPU: 30 to 110 s each). They are collected first: under
 #: `--dist loadfile` xdist deals files out in collection order, and one of these dealt last (tests/train comes
 #: last alphabetically) kept one worker busy for a minute or more after the other had run out of files.
 RUN_FIRST = (
     "tests/train/test_ray_rollout.py", "tests/train/test_resume.py", "tests/train/test_fsdp.py",
-    "tests/train/test_algorithms_wired.py", "tests/models/test_models_review.py", "tests/models/test_sampling.py",
+    "tests/train/test_algorithms_wired.py", "tests/models/test_adapter_and_model_dir_loading.py", "tests/models/test_sampling.py",
     "tests/sft/test_train.py", "tests/eval/test_optimality.py", "tests/train/test_window_mode.py",
-    "tests/train/test_train_review.py", "tests/eval/test_evaluate.py",
+    "tests/train/test_run_records_and_checkpoints.py", "tests/eval/test_evaluate.py",
 )
 
 

@@ -429,7 +429,7 @@ class HFBackend:
         row's whole kept history. The C++ grouped step (:mod:`ragen.models.native_decode`) computes groups of one as
         well; the price is one copy of the cache into :class:`~ragen.models.fused_decode.SharedPrefix`'s fp32 layout.
         On a 2-core Zen 5 (64 Sokoban envs × 5 turns, alternated) decode per generated token went 2.80 → 1.39 ms and the
-        whole rollout 53.5-53.9 → 42.0-42.7 s, copies included (``docs/performance-history.md``, "Zen 5, stops 48–50"). Only
+        whole rollout 53.5-53.9 → 42.0-42.7 s, copies included (``benchmarks/bench_multiturn.py``). Only
         where the C++ step can take the steps (bf16, kernels built): the Python step gains nothing from the copy. The
         copy (fp32 keys and values of every row's columns, on pages kept for the session that may grow to
         :data:`~ragen.models.fused_decode.PREFIX_PAGE_SPARE` times it) is skipped where those pages would exceed the
@@ -460,7 +460,7 @@ class HFBackend:
         packed weights (:func:`~ragen.models.fused_prefill.prefill`) where the cache and inputs allow it. Either way a
         pass of more than :data:`~ragen.models.fused_prefill.PASS_TOKENS` tokens runs in column chunks, each appending
         to the cache before the next (the same keys and values up to float rounding; measured in
-        ``docs/performance-history.md``, "Long prompt prefills in column chunks").
+        ``benchmarks/bench_decode.py``).
         """
         cache, ids, mask = inputs.get(CACHE_KWARG), inputs["input_ids"], inputs.get("attention_mask")
         fits = inputs.get("position_ids") is not None and (plain_layers(cache) if cache is not None else self._plain_cache_layers())

@@ -7,7 +7,7 @@ ones -- the base weights of a LoRA model, a Ray rollout worker's model (``requir
 are cast again at every decode step, reading 540 MB of fp32 and writing
 270 MB of bf16 per step for SmolLM2-135M. On a 2-core AMD EPYC (AVX-512 BF16) casting them once made
 ``generate`` 1.23-1.37x faster with LoRA (rank 8) and 1.04-1.39x with the whole model frozen, at
-batch 32 and 64 (``docs/performance-history.md``, "Frozen weights cast once").
+batch 32 and 64 (``benchmarks/bench_decode.py``).
 
 :func:`frozen_weights_cast_once` marks the frozen fp32 parameters as requiring grad for a ``with``
 block, so autocast caches their casts too, and restores them on exit (also on error). It acts only

@@ -6,8 +6,8 @@ per token and layer: fp32 residual-stream and norm outputs, bf16 casts of each l
 MLP's 1 536-wide intermediates), which is what makes twenty-turn FrozenLake chats cost 17–24 GB at
 four chats per micro-batch. With checkpointing only the layer inputs stay (``L × T × H`` fp32,
 76 MB for that chat) and each layer's forward runs once more during the backward pass: about one
-extra forward, i.e. ~1/3 more compute for a full update (docs/performance-history.md, "Activation
-checkpointing on long multi-turn episodes").
+extra forward, i.e. ~1/3 more compute for a full update (benchmarks/bench_memory.py
+--preset frozenlake_slippery_study).
 
 This is transformers' own mechanism (``GradientCheckpointingLayer`` with torch's non-reentrant
 ``torch.utils.checkpoint``); this module only switches it on for a plain or peft-wrapped model.

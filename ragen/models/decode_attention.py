@@ -9,7 +9,7 @@ call at batch 32 against ~0.1-0.2 ms for the two matmuls below, and ``generate``
 1.35× (batch 16) and 1.67× (batch 32) that of this path (fp32 matmuls, at 2292685). With a padding mask transformers packs
 the query heads per KV head first and the kernel is as fast as this path (0.98-1.03×), so masked
 calls stay with ``sdpa``.
-``benchmarks/bench_decode.py --sections attention``; ``docs/performance-history.md``, "Decode attention".
+``benchmarks/bench_decode.py --sections attention``.
 
 :func:`decode_attention` computes the same quantity (grouped-query heads without copying the KV
 heads, softmax in fp32 like the flash kernel's accumulators; inputs upcast to fp32, so it is, if

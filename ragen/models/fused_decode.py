@@ -27,7 +27,7 @@ transformers' ``sdpa`` runs in bf16 under autocast, so there the fused step is t
 the two. Results equal transformers' up to float rounding (oneDNN's packed GEMMs may sum in
 another order), which the tests bound (``tests/models/test_fused_decode.py``: fp32 within 1e-5;
 bf16 no further from an fp32 reference than transformers' bf16 path). Measured in
-``docs/performance-history.md`` ("Fused decode step").
+``benchmarks/bench_decode.py --sections fused``.
 
 Only what is known to compute exactly this is taken (:func:`unsupported_reason`): models of the
 ``llama``, ``mistral`` (without a sliding window) and ``qwen2`` (full attention) types, built from
@@ -202,7 +202,7 @@ class FusedWeights:
         self.dtype = dtype
         self.key = self._key(model)
         inner = model.model
-        # pack=True packs what was measured to win (docs/performance-history.md, "Cascade Lake Xeon"): every bf16 projection
+        # pack=True packs what was measured to win (benchmarks/bench_decode.py): every bf16 projection
         # for oneDNN; in fp32 the LM head for oneDNN (its 49 152-row F.linear at 16-32 rows ran at a third of the packed
         # GEMM's speed on a Cascade Lake Xeon) and q/k/v, o and gate/up for MKL's packed GEMM at the decode batch
         # (1.08-1.27x per GEMM there against (W @ hᵀ)ᵀ on plain weights; down ran slower packed and stays plain)
@@ -582,8 +582,7 @@ class FusedDecoder:
         self.weights: FusedWeights | None = None
         #: The casts that only feed oneDNN's reorder (:class:`PackedLinear` keeps its packed copy, not its input) go
         #: through this one buffer, kept between sessions: ~270 MB of fresh pages a rollout for SmolLM2-135M otherwise,
-        #: as the weights change between rollouts (``docs/performance-history.md``, "Packing through one kept staging
-        #: buffer"). It grows to the largest packed weight (the LM head, 54 MiB). None casts each weight into a new tensor.
+        #: as the weights change between rollouts (``benchmarks/bench_decode.py``). It grows to the largest packed weight (the LM head, 54 MiB). None casts each weight into a new tensor.
         self.staging: KeptBuffer | None = KeptBuffer()
         #: True packs for oneDNN (:mod:`ragen.models.packed_linear`) what was measured to win: every bf16 projection,
         #: the fp32 LM head; False keeps plain tensors; a set of :data:`PROJECTIONS` packs those (in any dtype).
@@ -600,7 +599,7 @@ class FusedDecoder:
         #: Where :attr:`prefix`'s fp32 copies go (:meth:`SharedPrefix.from_layers`' ``pages``), kept for a session: a
         #: multi-turn rollout's resumed turns copy their whole caches there each call (~2.5 GB for 64 Sokoban rows by
         #: turn 5, from the cache's shape); on fresh pages that copy took ~2.2 s a call on this project's VM, the same
-        #: copy on reused memory ~0.14 s (``docs/performance-history.md``, "Zen 5, stops 48–50").
+        #: copy on reused memory ~0.14 s (``benchmarks/bench_multiturn.py``).
         self.prefix_pages: list[KeptBuffer] = []
         #: Decode steps taken by :func:`decode_step` (of them, with a shared prefix) and handed to transformers.
         self.fused_steps = 0

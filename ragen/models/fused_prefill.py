@@ -18,8 +18,7 @@ softmax is empty whatever the kernel does with one. That matters beyond the padd
 returns zeros for an empty row, but a NaN there would go into that padding column's keys and values, and a real
 query that masks the column still multiplies its value by a probability of 0 (0 · NaN = NaN). Equal to
 transformers' prefill up to float rounding (packed GEMMs may sum in another order; the tests bound it:
-``tests/models/test_fused_prefill.py``). Measured in ``docs/performance-history.md`` ("Prompt prefill through the fused
-weights").
+``tests/models/test_fused_prefill.py``). Measured by ``benchmarks/bench_decode.py``.
 
 Taken only where :func:`~ragen.models.fused_decode.unsupported_reason` takes the decode steps, with a plain
 per-layer KV cache (:func:`~ragen.models.growing_cache.plain_layers`) and explicit positions; the backend runs every other prefill through
@@ -51,7 +50,7 @@ def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tenso
 #: appending its keys and values to the cache before the next reads them. Whole, a long batch's activations are
 #: tens of MB each (fresh pages at every op) and its masked attention computes every query against every column,
 #: the causal half too; in chunks a pass's tensors stay small and a chunk's queries meet only the columns up to its
-#: own. Measured on a 2-core Zen 5 (``docs/performance-history.md``, "Long prompt prefills in column chunks"): 16 prompts
+#: own. Measured on a 2-core Zen 5 (``benchmarks/bench_decode.py``): 16 prompts
 #: of ~560 tokens 1.29-1.39× faster at 1 024-4 096 tokens a pass, 64 of ~260 1.5-1.7×.
 PASS_TOKENS = 2048
 

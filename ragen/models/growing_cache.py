@@ -17,8 +17,8 @@ reads the shared prompt's columns from elsewhere (the grouped step of
 :mod:`ragen.models.fused_decode`, which keeps them once per prompt) appends through
 :meth:`GrowingLayer.write` and never pays for the copy: ~150 MB of fresh pages at batch 32,
 never read; deferring it made whole batch-32 generate calls 1.037× faster on this project's
-CPU (alternated A/B, ``docs/performance-history.md``, "Zen 5, stops 48–50"). A multi-turn
-session that keeps the rows' caches for the next turn still pays for it, when
+CPU (alternated A/B, ``benchmarks/bench_decode.py --sections native``). A multi-turn
+rollout that keeps the rows' caches for the next turn still pays for it, when
 ``HFBackend._keep`` reads them. Views taken before a ``crop`` may see columns written after
 it (as with any in-place cache such as ``StaticCache``). Used only for generation (no
 autograd through in-place writes: with grad enabled it falls back to ``torch.cat``).

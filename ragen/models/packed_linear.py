@@ -10,8 +10,7 @@ torch's inductor uses when it freezes a model's weights for CPU inference) and t
 The products and sums are those of ``F.linear`` in the same dtype: in fp32 and in bf16 (fp32
 accumulation) the outputs were bitwise equal to ``F.linear``'s at 1 to 700 rows on this machine
 (``tests/models/test_packed_linear.py`` checks agreement to float rounding, since another CPU's
-kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``docs/performance-history.md``,
-"Packed weights in the fused step"): SmolLM2's projections at 32 rows 1.1-1.2× faster than ``(W @ xᵀ)ᵀ`` and
+kernels may sum in another order). Measured on the 2-core EPYC (bf16, ``benchmarks/bench_decode.py``): SmolLM2's projections at 32 rows 1.1-1.2× faster than ``(W @ xᵀ)ᵀ`` and
 1.4-2.0× faster than ``F.linear``; the 49 152 × 576 LM head 1.8× faster than ``F.linear``.
 
 In fp32, MKL's own packed GEMM (``cblas_sgemm_pack``/``_compute`` through ``torch.ops.mkl._mkl_linear``,

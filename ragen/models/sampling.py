@@ -26,7 +26,7 @@ every step: ~17 % of a ``generate`` call of 32 rows, ``docs/performance.md``). T
 
 Every decode step of a ``generate`` call reuses one ``(B, V)`` float32 buffer for the weights
 and the returned scores (transformers' top-k / top-p warpers, when asked for, still allocate their own): on a 2-core EPYC a fresh ``(32, 49 152)`` tensor per step meant fresh
-pages (page faults) each time (``docs/performance-history.md``, "Sampling without fresh pages"). The
+pages (page faults) each time (``benchmarks/bench_decode.py``). The
 returned tensor is therefore overwritten at the next step: do not combine this processor with
 ``generate(output_scores=True)``, which keeps every step's scores, nor with ``output_logits=True`` (the raw
 logits it keeps can be the very tensor this processor writes in place).
@@ -173,5 +173,5 @@ class InverseCDFSampler(LogitsProcessor):
             scores.div_(self.temperature)  # z / T, in this step's own fp32 copy (with warpers, they applied T)
         # softmax(z / T) as one op, written into the kept buffer (-inf gives weight 0). Was exp((z - max z) / T) in three
         # ops (amax, sub, exp_): the same distribution up to fp32 rounding, and ~0.6 ms less a step at (32, 49 152) on a
-        # 2-core Zen 5, where torch's fp32 exp_ goes to MKL's slow path on AMD (docs/performance-history.md, "Zen 5, stop 44")
+        # 2-core Zen 5, where torch's fp32 exp_ goes to MKL's slow path on AMD (benchmarks/bench_decode.py)
         return torch.ops.aten._softmax.out(scores, -1, False, out=weights)  # (B, V), rows sum to 1

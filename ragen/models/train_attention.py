@@ -9,8 +9,7 @@ backward is slow at small shapes. :func:`grouped_attention` computes
 with ``Q Kᵀ``, the softmax and ``P V`` in fp32 (autocast off inside; bf16 inputs are upcast), so it is,
 if anything, less rounded than the bf16 flash kernel (tests: output and gradients against float64).
 
-Where it pays, measured on a 2-core AMD EPYC with AVX-512 BF16 (``docs/performance-history.md``, "Grouped
-training attention"): the main job's update (prompt passes of ~4 × 111 tokens, continuations of 16 ×
+Where it pays, measured on a 2-core AMD EPYC with AVX-512 BF16 (``benchmarks/bench_update.py``): the main job's update (prompt passes of ~4 × 111 tokens, continuations of 16 ×
 ~10 on ~121 keys, both masked) 1.23-1.27x faster. Where it does not: calls without a mask, which
 ``sdpa`` runs on the KV heads directly (``enable_gqa``) with the causal half skipped (an explicit 2 ×
 108-token prompt pass made a whole update ~5 % slower), and large calls (16 × 64 queries × 172 keys:

@@ -53,8 +53,8 @@ def check_data(path: str) -> None:
 
 def data_change_problem(checkpoint: Path, state: dict, data_path: str, sha256: str | None = None) -> str | None:
     """Why resuming from ``checkpoint`` (its ``state.json`` as ``state``) on ``data_path`` would train on other
-    conversations, or None: the checkpoint's ``data_sha256`` (written since stop 39; older checkpoints have none and
-    pass) against the file's now (``sha256`` if the caller hashed it already)."""
+    conversations, or None: the checkpoint's ``data_sha256`` (checkpoints
+    without one pass) against the file's now (``sha256`` if the caller hashed it already)."""
     saved = state.get("data_sha256")
     if saved is None:
         return None

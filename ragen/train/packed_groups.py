@@ -23,7 +23,7 @@ which the mask discards the sibling blocks; the split layout computes ``G·P² +
 :func:`packed_is_cheaper` weighs both: short answers on a long shared prompt (the bandit main job:
 ~110-token prompts, ≤ 16-token answers, 4 rows per group) favour the packed layout; long continuations
 (64-token answers × 8 rows per prompt, multi-turn episodes) the split one, whose attention is not
-mostly masked-out work. Measured in ``docs/performance-history.md`` (the "Packed shared-prompt layout" lever).
+mostly masked-out work. Measured by ``benchmarks/bench_update.py``.
 """
 
 from __future__ import annotations

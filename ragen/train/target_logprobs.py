@@ -16,7 +16,7 @@ cast -- five fresh ``(n, V)`` tensors per chunk (201 MB each in fp32 for 1 024 r
 ``overwrite_logits``, which stores it in the logits' memory); the fp32 work runs
 :data:`ROWS` rows at a time in one reused buffer (kept between calls on the CPU), and the backward needs only the logits themselves
 (saved here: ``(n, V)`` bf16 under autocast, half the fp32 log-softmax the plain path saves) and ``lse``
-(``n`` floats). The backward is not itself differentiable (no double backward). ``docs/performance-history.md``, "Target log-probs with a hand-written backward".
+(``n`` floats). The backward is not itself differentiable (no double backward). Measured by ``benchmarks/bench_update.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ per micro-batch, whose cost on a VM varies with the host (``docs/performance.md`
   compute-dtype buffer (``mm(out=)``, the GEMM autocast's ``linear`` backward runs, one slice at a
   time: bit-equal) and adds each into ``W.grad`` in place. Whole, oneDNN's bf16 GEMM also makes a
   fresh fp32 ``(V, H)`` result (113 MB) before rounding it: 49.5 ms for 149 rows of SmolLM2, against
-  15.5 ms in blocks of 4 096 (``docs/performance-history.md``, "Tied embedding / LM-head weight's gradient in kept memory");
+  15.5 ms in blocks of 4 096 (``benchmarks/bench_update.py``);
 - the lookup's backward adds each token's gradient row into ``W.grad`` (``index_add_``), skipping
   ``padding_idx`` as ``nn.Embedding`` does;
 - ``W.grad``, when ``None`` (after ``zero_grad(set_to_none=True)``), becomes one kept fp32 buffer,

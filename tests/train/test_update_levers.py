@@ -1,4 +1,4 @@
-"""Update-side speed levers give the plain path's numbers (issue 7's rule: speed never changes results).
+"""Update-side speed levers give the plain path's numbers (speed never changes results).
 
 * the entropy metric without an autograd graph (``entropy_grad=False``, used when ``entropy_coeff == 0``),
   which also takes the hand-written target log-prob backward (``tests/train/test_target_logprobs.py``);

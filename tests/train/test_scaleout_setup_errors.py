@@ -1,4 +1,4 @@
-"""Review of the scale-out code (torchrun set-up, Ray rollout pool): regression tests for the bugs found.
+"""The scale-out code's set-up and failure paths (torchrun set-up, Ray rollout pool).
 
 Unit-level only (no torchrun, no real Ray): the collectives and the Ray API are faked where a test needs them.
 """

@@ -1,4 +1,4 @@
-"""Review findings on the training loop and what it records: each test failed before its fix."""
+"""What the training loop records: the logged learning rate, validation lines, checkpoint pruning and syncing, plots."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Review findings in model loading and generation: each test failed before its fix."""
+"""Loading adapters and model dirs: tied heads and embeddings, damaged dirs as one-line errors, the embedded model's cache."""
 
 import json
 import shutil

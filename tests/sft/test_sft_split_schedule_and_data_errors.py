@@ -1,5 +1,5 @@
-"""SFT details a review found wrong: a held-out split with copies of training chats, the cosine schedule's end,
-data lines that crashed past validation, a time cap without a checkpoint, and the final eval run twice."""
+"""SFT details: a held-out split without copies of training chats, the cosine schedule's end, bad data lines as
+errors, a time cap that checkpoints, and one final eval."""
 
 import json
 

@@ -1,5 +1,4 @@
-"""Regression tests from a third review of the built-in envs (size bounds, the FrozenLake expert, RandomAgent
-seeding, 2048 boards)."""
+"""Env size bounds, the FrozenLake expert's plans and policies, RandomAgent seeding, 2048 boards."""
 
 from __future__ import annotations
 
@@ -87,7 +86,8 @@ OLD_PLANS = {
     (16, 1): "DDRRDDDDRDRRRRDDDDDDDRRRRRDRRR",
 }
 
-#: ``solve``'s infinite-horizon policy on slippery ice before the rewrite (and until stop 44), per state ("." terminal).
+#: Reference optimal policies on slippery ice from plain policy iteration, per state ("." terminal): ``solve`` breaks
+#: ties among optimal actions differently, so it is held to their values, not their letters.
 OLD_POLICIES = {
     (4, 0): "L.L.LDDDDULLL.R.",
     (4, 1): "LL.LLLL.LLDDDDD.",
@@ -113,9 +113,9 @@ def test_lake_expert_plans_are_shortest_on_many_maps():
 
 @pytest.mark.parametrize("size, seed", sorted(OLD_POLICIES))
 def test_lake_infinite_horizon_policy_is_as_good_as_before_the_rewrite_and_no_slower(size, seed):
-    """Since stop 44 ``solve`` takes, among the optimal actions, those that end the episode soonest, so these
-    policies changed (they were pinned here): each is still optimal -- its exact success probability from every state
-    is the old policy's (optimal on these maps) within 1e-12 -- and ends the episode in no more expected moves."""
+    """``solve`` takes, among the optimal actions, those that end the episode soonest: its policy is optimal -- its
+    exact success probability from every state is the reference policy's (optimal on these maps) within 1e-12 -- and
+    ends the episode in no more expected moves."""
     from ragen.envs.frozen_lake import LakeModel, _expected_moves, _goal_reachers, _policy_values
 
     env = ragen.envs.make("frozen_lake", size=size, is_slippery=True)

@@ -1,4 +1,4 @@
-"""Review of ``ragen/train/batch.py`` (reward placement), ``checkpoint.py`` (step ordering) and ``loggers.py``
+"""``ragen/train/batch.py`` (reward placement), ``checkpoint.py`` (step ordering) and ``loggers.py``
 (the wandb run-id file). Hand-built trajectories of plain ids: no model, no tokenizer."""
 
 from __future__ import annotations

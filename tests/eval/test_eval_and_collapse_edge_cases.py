@@ -1,4 +1,4 @@
-"""Review of ``ragen eval`` and the collapse signals: regressions for bugs found by adversarial inputs."""
+"""``ragen eval`` and the collapse signals on awkward inputs: uneven groups, no groups, infinite gradients, one-word answers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Regression tests from a review of the built-in envs (2048, Bandit, env tags)."""
+"""Env contracts and config bounds: 2048's start board and target, Bandit's payoffs, env tag horizons, reward range,
+what a user env's ``step`` and ``parse_action`` return."""
 
 from __future__ import annotations
 
@@ -113,10 +114,10 @@ def test_play_checks_what_a_user_envs_step_and_parse_action_return():
         def parse_action(self, text):
             return "1"
 
-    ragen.envs.register("review2_no_info", NoInfoEnv)
-    ragen.envs.register("review2_str_id", StrIdEnv)
-    for name, message in [("review2_no_info", "NoInfoEnv.step returned info of type NoneType"),
-                          ("review2_str_id", "StrIdEnv.parse_action\\('go'\\) returned a str")]:
+    ragen.envs.register("user_env_no_info", NoInfoEnv)
+    ragen.envs.register("user_env_str_id", StrIdEnv)
+    for name, message in [("user_env_no_info", "NoInfoEnv.step returned info of type NoneType"),
+                          ("user_env_str_id", "StrIdEnv.parse_action\\('go'\\) returned a str")]:
         with pytest.raises(EnvContractError, match=message):
             play(name, {}, seed=0, input_fn=lambda prompt: "go", print_fn=lambda *a: None)
 
