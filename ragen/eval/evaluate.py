@@ -28,6 +28,7 @@ from typing import Any
 
 import ragen.envs
 from ragen.config import RunConfig
+from ragen.eval.intervals import wilson
 
 #: Model specs starting with this prefix are served by an OpenAI-compatible chat API.
 OPENAI_PREFIX = "openai:"
@@ -173,9 +174,13 @@ def run_baseline(config: RunConfig, name: str, seeds: list[int], target: EvalTar
         return {"skipped": f"{name} agent raised {exc!r}"}
     turns = sum(res["turns"] for res in results)
     rewards = [res["reward"] for res in results]
+    successes = sum(bool(res["success"]) for res in results)
+    low, high = wilson(successes, len(results))
     return {
         "episodes": float(len(results)),
-        "success": statistics.fmean(res["success"] for res in results),
+        "success": successes / len(results),
+        "success_ci_low": low,
+        "success_ci_high": high,
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "valid_action_rate": 1.0 - sum(res["invalid_turns"] for res in results) / max(1, turns),
@@ -280,7 +285,8 @@ def format_table(report: dict[str, Any]) -> str:
         return "\n\n".join(format_table(sub) for sub in report["tags"].values())
     k = report["k"]
     pass_col = f"pass@{k}" if k else "pass@k"
-    header = f"{'agent':<24}{'success':>9}{pass_col:>9}{'reward':>9}{'valid':>8}{'resp_len':>10}{'turns':>7}"
+    header = (f"{'agent':<24}{'success':>9}{'95% CI':>12}{pass_col:>9}{'reward':>9}{'valid':>8}{'resp_len':>10}"
+              f"{'turns':>7}")
     lines = [
         f"ragen eval: model={report['model']}  env={report['env']}"
         + (f" (tag {report['tag']})" if report.get("tag", report["env"]) != report["env"] else "") + "  "
@@ -290,7 +296,9 @@ def format_table(report: dict[str, Any]) -> str:
     ]
 
     def row(label: str, m: dict[str, Any], pk: Any = None) -> str:
-        return (f"{label:<24}{_cell(m.get('success')):>9}{_cell(pk):>9}{_cell(m.get('reward_mean')):>9}"
+        low, high = m.get("success_ci_low"), m.get("success_ci_high")
+        ci = "-" if _undefined(low) or _undefined(high) else f"{low:.2f}-{high:.2f}"
+        return (f"{label:<24}{_cell(m.get('success')):>9}{ci:>12}{_cell(pk):>9}{_cell(m.get('reward_mean')):>9}"
                 f"{_cell(m.get('valid_action_rate'), 2):>8}{_cell(m.get('response_length'), 1):>10}"
                 f"{_cell(m.get('turns_per_episode'), 1):>7}")
 
@@ -309,10 +317,10 @@ def format_table(report: dict[str, Any]) -> str:
                      f" optimal moves {_percent(opt['optimal_move_rate'])})")
     lines.append("")
     if report.get("sampled"):
-        lines.append("success: greedy decoding; model sampled row: success = mean over samples, "
-                     f"{pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
+        lines.append("success: greedy decoding, with its 95 % Wilson interval; model sampled row: success = mean over "
+                     f"samples, {pass_col} = Chen et al. unbiased estimator; valid = format-valid turn rate.")
     else:  # --k 0: no sampled row, no pass@k
-        lines.append("success: greedy decoding; valid = format-valid turn rate.")
+        lines.append("success: greedy decoding, with its 95 % Wilson interval; valid = format-valid turn rate.")
     if opt:
         lines.append("value: the greedy policy's success probability estimated from its moves' regret against "
                      "the exact optimum (performance-difference identity, ragen/eval/optimality.py), +- one standard error.")

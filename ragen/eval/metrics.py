@@ -8,12 +8,14 @@ from collections import defaultdict
 
 from ragen.agent.trajectory import Trajectory
 from ragen.envs.base import ENV_METRIC_PREFIX
+from ragen.eval.intervals import wilson
 
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """Success, rewards, action validity/effectiveness, lengths and group pass@k of ``trajectories``.
 
-    * ``success`` -- share of episodes the env called a success (shaped rewards never count);
+    * ``success`` -- share of episodes the env called a success (shaped rewards never count), with its 95 % Wilson
+      interval ``success_ci_low`` .. ``success_ci_high`` (:func:`ragen.eval.intervals.wilson`);
     * ``reward_mean`` / ``reward_std`` -- the *task* return (env rewards + format penalties);
     * ``reward_think`` / ``reward_prediction`` -- mean shaped reasoning reward per episode
       (:mod:`ragen.agent.rewards`), logged apart from the task reward; ``prediction_accuracy``
@@ -41,9 +43,13 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
         return out
     executed = sum(turn.actions_executed for turn in turns)
     valid = sum(turn.format_valid for turn in turns) / max(1, len(turns))
+    successes = sum(bool(t.success) for t in ok)
+    low, high = wilson(successes, len(ok))
     out.update(
         {
-            f"{prefix}/success": sum(t.success for t in ok) / len(ok),
+            f"{prefix}/success": successes / len(ok),
+            f"{prefix}/success_ci_low": low,
+            f"{prefix}/success_ci_high": high,
             f"{prefix}/reward_mean": statistics.fmean(rewards),
             f"{prefix}/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             f"{prefix}/reward_think": sum(turn.think_reward for turn in turns) / len(ok),
@@ -108,7 +114,8 @@ def tags_in(metrics: dict[str, float], prefix: str) -> list[str]:
 
 #: Columns of the console table: (metric, header).
 TABLE_COLUMNS = (
-    ("episodes", "episodes"), ("success", "success"), ("reward_mean", "reward"), ("valid_action_rate", "valid"),
+    ("episodes", "episodes"), ("success", "success"), ("success_ci", "95% CI"), ("reward_mean", "reward"),
+    ("valid_action_rate", "valid"),
     ("effective_action_rate", "effective"), ("actions_per_episode", "actions"), ("response_length", "resp_len"),
 )
 
@@ -117,10 +124,14 @@ def format_tag_table(metrics: dict[str, float], prefix: str) -> str:
     """A fixed-width table with one row per tag (and ``all``) of the ``{prefix}/{tag}/…`` metrics."""
     rows = [(tag, f"{prefix}/{tag}/") for tag in tags_in(metrics, prefix)] + [("all", f"{prefix}/")]
     width = max(len(name) for name, _ in rows)
-    lines = [f"{'tag':<{width}}  " + "  ".join(f"{h:>9}" for _, h in TABLE_COLUMNS)]
+    lines = [f"{'tag':<{width}}  " + "  ".join(f"{h:>{11 if key == 'success_ci' else 9}}" for key, h in TABLE_COLUMNS)]
     for name, start in rows:
         cells = []
         for key, _ in TABLE_COLUMNS:
+            if key == "success_ci":
+                low, high = metrics.get(start + "success_ci_low"), metrics.get(start + "success_ci_high")
+                cells.append(f"{'-':>11}" if low is None or high is None else f"{low:.2f}-{high:.2f}".rjust(11))
+                continue
             value = metrics.get(start + key)
             cells.append(f"{'-':>9}" if value is None else (f"{value:>9.0f}" if key == "episodes" else f"{value:>9.3f}"))
         lines.append(f"{name:<{width}}  " + "  ".join(cells))

@@ -860,6 +860,9 @@ def seed_everything(seed: int) -> None:
 def fmt(metrics: dict[str, float]) -> str:
     keys = ("val/success", "val/reward_mean", "val/format_valid")
     line = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
+    if "val/success_ci_low" in metrics:  # the 95 % Wilson interval of the success rate, after it
+        line = line.replace(f"success={metrics['val/success']:.3f}", f"success={metrics['val/success']:.3f} "
+                            f"(95% CI {metrics['val/success_ci_low']:.3f}-{metrics['val/success_ci_high']:.3f})", 1)
     errors = int(metrics.get("val/env_errors", 0))
     if errors:  # those episodes are left out of the numbers above
         line += f"{'  ' if line else ''}env_errors={errors} of {errors + int(metrics.get('val/episodes', 0))} episodes"

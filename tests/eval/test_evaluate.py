@@ -206,7 +206,7 @@ def test_the_json_report_is_strict_json_when_a_rate_is_undefined(tmp_path, capsy
     report = json.loads(out.read_text(), parse_constant=refuse)
     assert report["episodes"] == 2
     table = capsys.readouterr().out  # no sampled row, so no legend for one
-    assert "success: greedy decoding; valid = format-valid turn rate." in table and "model sampled row" not in table
+    assert "success: greedy decoding, with its 95 % Wilson interval; valid = format-valid turn rate." in table and "model sampled row" not in table
 
 
 def test_strict_json_replaces_non_finite_floats_at_any_depth():

@@ -33,3 +33,19 @@ def test_non_numeric_and_unprefixed_info_is_not_a_metric():
 def test_a_nan_report_is_left_out():
     out = episode_metrics([_episode({"metric/x": float("nan")}), _episode({"metric/x": 0.5})], "train")
     assert out["train/info_x"] == 0.5
+
+
+def test_success_carries_its_wilson_interval_and_the_table_prints_it():
+    from ragen.eval.intervals import wilson
+    from ragen.eval.metrics import format_tag_table
+
+    trajectories = []
+    for i in range(10):
+        t = Trajectory(env_name="bandit", group_id=i, seed=i, tag="Bandit")
+        t.turns = [Turn("<answer>A</answer>", ["A"], True, 1.0, 0.0)]
+        t.success = i < 8
+        trajectories.append(t)
+    m = episode_metrics(trajectories, "val")
+    assert m["val/success"] == 0.8
+    assert (m["val/success_ci_low"], m["val/success_ci_high"]) == wilson(8, 10) == pytest.approx((0.490, 0.943), abs=1e-3)
+    assert "0.49-0.94" in format_tag_table({**m, **{k.replace("val/", "val/Bandit/"): v for k, v in m.items()}}, "val")
