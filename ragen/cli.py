@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -259,6 +260,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         print(f"[ragen] wrote {out}")
+    if args.compare:
+        from ragen.eval.compare import compare_reports, format_comparison
+
+        other_config = copy.deepcopy(config)
+        other_config.model = args.compare
+        try:
+            other = evaluate(other_config, k=0, baselines=False)
+        except (ModelLoadError, OpenAIError, ValueError) as exc:
+            return _fail(f"--compare {args.compare}: " + (str(exc).splitlines()[0] if str(exc) else repr(exc)))
+        except OSError as exc:
+            return _fail(f"--compare {args.compare!r} could not be loaded: {exc}".splitlines()[0])
+        print()
+        print(format_table(other))
+        print()
+        print(format_comparison(args.model, args.compare, compare_reports(report, other)))
     return 0
 
 
@@ -327,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--n", type=int, default=None, help="samples per seed for pass@k (default k; n > k: unbiased estimator)")
     evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the full report as JSON to OUT")
     evaluate.add_argument("--no-baselines", action="store_true", help="skip the random and expert agents")
+    evaluate.add_argument("--compare", metavar="OTHER_MODEL", default=None,
+                          help="also evaluate OTHER_MODEL (greedy) on the same seeds and print the paired difference "
+                               "of success rates with its 95%% interval")
     evaluate.set_defaults(func=cmd_eval)
     sweep = sub.add_parser("sweep", help="train a preset on several seeds and print each seed's validation gain")
     sweep.add_argument("preset", help="a preset (ragen/configs/) or a YAML config path")

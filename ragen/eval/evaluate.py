@@ -122,7 +122,9 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
             envs, episode_seeds, group_ids, target.env, tags=[target.tag] * len(envs))
 
     greedy = play(False, seeds)
-    result: dict[str, Any] = {"greedy": _summarise(greedy)}
+    by_seed = {t.seed: (None if t.error else int(bool(t.success))) for t in greedy}
+    # per held-out seed, in seed order: 1 / 0, or None where the env raised (what ``--compare`` pairs)
+    result: dict[str, Any] = {"greedy": _summarise(greedy), "greedy_success_by_seed": [by_seed.get(s) for s in seeds]}
     if target.env == "frozen_lake":
         from ragen.eval.optimality import lake_optimality
 
@@ -238,6 +240,7 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
         "valid_action_rate": greedy.get("valid_action_rate"),
         "response_length": greedy.get("response_length"),
         "greedy": greedy,
+        "greedy_success_by_seed": model["greedy_success_by_seed"],
         "sampled": sampled or None,
         "optimality": model.get("optimality"),
         "baselines": {},

@@ -45,3 +45,26 @@ def test_paired_difference_golden():
     assert paired_difference(same, same) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="length"):
         paired_difference([True], [True, False])
+
+
+def test_compare_reports_pairs_seeds_and_leaves_out_env_errors():
+    from ragen.eval.compare import compare_reports, format_comparison
+
+    base = {"env": "bandit", "tag": "Bandit", "greedy_success_by_seed": [0, 0, 1, 1, None]}
+    other = {"env": "bandit", "tag": "Bandit", "greedy_success_by_seed": [1, 1, 1, 0, 1]}
+    rows = compare_reports(base, other)
+    r = rows["Bandit"]
+    assert (r["seeds"], r["base"], r["other"], r["only_base"], r["only_other"]) == (4, 0.5, 0.75, 1, 2)
+    assert (r["difference"], r["ci_low"], r["ci_high"]) == pytest.approx((0.25, -0.68826, 1.18826), abs=1e-4)
+    table = format_comparison("a", "b", rows)
+    assert "Bandit" in table and "+0.250" in table and "  better" not in table  # the interval holds 0
+
+
+def test_ragen_eval_compare_runs_both_models_on_the_same_seeds(capsys):
+    from ragen.cli import main
+
+    assert main(["eval", "tiny", "bandit", "--k", "0", "--no-baselines", "--compare", "tiny",
+                 "trainer.val_episodes=4", "rollout.max_new_tokens=4"]) == 0
+    out = capsys.readouterr().out
+    assert "ragen eval --compare: base=tiny  other=tiny" in out
+    assert "+0.000" in out  # the same model on the same seeds, greedy: no difference
