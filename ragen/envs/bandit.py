@@ -103,6 +103,8 @@ class BanditEnv(TextEnv):
     """
 
     description = "Two named arms, one pull: infer from the names which arm pays more on average."
+    #: A policy that answers a position whatever the names gives a second-listed share of 0 or 1 (a habit).
+    habit_metrics = ("second_listed",)
     instructions = (
         "Bandit game: pull one of two arms to maximize your reward. "
         "Each arm's reward distribution is related to its name."

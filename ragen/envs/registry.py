@@ -51,3 +51,13 @@ def env_config_fields(name: str) -> dict[str, Any]:
     if config_cls is None or not dataclasses.is_dataclass(config_cls):
         return {}
     return {f.name: field_default(f) for f in dataclasses.fields(config_cls)}
+
+
+def habit_metric_names() -> tuple[str, ...]:
+    """Names of the ``metric/<name>`` values that registered envs declare as habit metrics (``habit_metrics``, a class
+    attribute): a policy that ignores its input pins such a share to 0 or 1 (Bandit's ``second_listed``: always the
+    same listed position). :class:`ragen.eval.collapse.CollapseMonitor` watches them."""
+    names: list[str] = []
+    for factory in _REGISTRY.values():
+        names += [n for n in getattr(factory, "habit_metrics", ()) if n not in names]
+    return tuple(names)

@@ -80,11 +80,14 @@ def normalised_mutual_information(pairs: list[tuple[object, object]]) -> float:
 class CollapseMonitor:
     """Warns when the signals cross thresholds; ``should_stop`` once a collapse is confirmed.
 
-    Thresholds (documented in ``docs/collapse.md``): entropy below ``entropy_floor``; in-group
-    reward std below ``std_floor`` for ``patience`` consecutive steps; a gradient norm above
-    ``spike_factor`` × the running median of the previous ones (an infinite one too; it is kept
-    out of the median); cross-prompt similarity above ``similarity_ceiling``. A collapse is
-    confirmed once low entropy and a flat in-group reward std coincide for ``patience`` consecutive steps.
+    Thresholds (documented in ``docs/collapse.md``): in-group reward std below ``std_floor`` for ``patience``
+    consecutive steps; a habit metric (``habit_metrics``: an env's ``train/info_<name>`` share that a policy
+    ignoring its input pins to 0 or 1) within ``habit_margin`` of 0 or 1 for ``patience`` steps; a gradient norm
+    above ``spike_factor`` × the running median of the previous ones (an infinite one too; it is kept out of the
+    median); cross-prompt similarity above ``similarity_ceiling``. Entropy below ``entropy_floor`` warns only beside
+    one of those: a policy that settles on one answer per prompt is what a one-shot task trains for, not a collapse.
+    A collapse is confirmed once low entropy and a flat in-group reward std (or a habit) coincide for ``patience``
+    consecutive steps.
     """
 
     entropy_floor: float = 0.05
@@ -92,7 +95,10 @@ class CollapseMonitor:
     spike_factor: float = 5.0
     similarity_ceiling: float = 0.9
     patience: int = 3
+    habit_metrics: tuple[str, ...] = ()
+    habit_margin: float = 0.02
     _grad_norms: list[float] = field(default_factory=list)
+    _habit_steps: dict[str, int] = field(default_factory=dict)
     _flat_steps: int = 0
     #: Consecutive steps with both low entropy and a flat in-group reward std.
     _collapse_steps: int = 0
@@ -101,13 +107,27 @@ class CollapseMonitor:
     def check(self, metrics: dict[str, float]) -> list[str]:
         warnings: list[str] = []
         entropy = metrics.get("actor/entropy")
-        if entropy is not None and entropy < self.entropy_floor:
-            warnings.append(f"policy entropy {entropy:.3f} < {self.entropy_floor}: answers are becoming deterministic")
+        low_entropy = entropy is not None and entropy < self.entropy_floor
         std = metrics.get("collapse/in_group_reward_std")
         if std is not None:
             self._flat_steps = self._flat_steps + 1 if std < self.std_floor else 0
             if self._flat_steps >= self.patience:
                 warnings.append(f"in-group reward std ~0 for {self._flat_steps} steps: no learning signal left")
+        habit = pinned_now = False
+        for name in self.habit_metrics:
+            share = metrics.get(f"train/info_{name}")
+            if share is None or math.isnan(share):
+                continue
+            pinned = share <= self.habit_margin or share >= 1 - self.habit_margin
+            pinned_now = pinned_now or pinned
+            self._habit_steps[name] = self._habit_steps.get(name, 0) + 1 if pinned else 0
+            if self._habit_steps[name] >= self.patience:
+                habit = True
+                warnings.append(f"{name} share {share:.2f} for {self._habit_steps[name]} steps: the answers follow a "
+                                "habit, not the input")
+        if low_entropy and (warnings or habit):
+            warnings.insert(0, f"policy entropy {entropy:.3f} < {self.entropy_floor} beside the signal below: "
+                               "the policy is locking in")
         grad = metrics.get("actor/grad_norm")
         if grad is not None and not math.isnan(grad):
             history = [g for g in self._grad_norms[-20:] if g > 0]
@@ -120,7 +140,7 @@ class CollapseMonitor:
             warnings.append(f"cross-prompt similarity {similarity:.2f} > {self.similarity_ceiling}: template collapse")
         # Confirmed collapse: low entropy together with no reward variance left, for `patience` steps in a row.
         if entropy is not None or std is not None:
-            both = entropy is not None and entropy < self.entropy_floor and std is not None and std < self.std_floor
+            both = low_entropy and ((std is not None and std < self.std_floor) or pinned_now)
             self._collapse_steps = self._collapse_steps + 1 if both else 0
         if self._collapse_steps >= self.patience:
             self.collapsed = True

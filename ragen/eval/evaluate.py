@@ -240,7 +240,7 @@ def evaluate_target(config: RunConfig, target: EvalTarget, backend, tokenizer, *
         "valid_action_rate": greedy.get("valid_action_rate"),
         "response_length": greedy.get("response_length"),
         "greedy": greedy,
-        "greedy_success_by_seed": model["greedy_success_by_seed"],
+        "greedy_success_by_seed": model.get("greedy_success_by_seed", []),
         "sampled": sampled or None,
         "optimality": model.get("optimality"),
         "baselines": {},

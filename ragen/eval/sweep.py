@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ragen.envs.registry import habit_metric_names
 from ragen.eval.collapse import CollapseMonitor
 from ragen.eval.intervals import mean_interval
 
@@ -89,7 +90,7 @@ def read_run(run_dir: Path, seed: int) -> SeedResult:
         raise ValueError(f"{run_dir}: no validation before and after training in metrics.jsonl")
     before, _ = _validation(validations[0])
     after, info = _validation(validations[-1])
-    monitor = CollapseMonitor()
+    monitor = CollapseMonitor(habit_metrics=habit_metric_names())
     warnings = sum(len(monitor.check({k: math.nan if v is None else v for k, v in row.items()}))
                    for row in rows if row.get("step", 0) > 0 and "actor/entropy" in row)
     summary_path = run_dir / "summary.json"

@@ -24,6 +24,7 @@ from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
 from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig, to_yaml
+from ragen.envs.registry import habit_metric_names
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import atomic_open, strict_dumps, write_text_atomic
@@ -121,7 +122,7 @@ class StarPOTrainer:
             if self.ref_model is not None:
                 shard_layers(self.ref_model, self.device)
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
-        self.collapse_monitor = CollapseMonitor()
+        self.collapse_monitor = CollapseMonitor(habit_metrics=habit_metric_names())
         self.optimizer = adamw(
             self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas),
             weight_decay=config.optim.weight_decay, fused=config.optim.fused,

@@ -64,3 +64,19 @@ def test_a_resumed_monitor_counts_a_nan_step_as_the_live_one_did():
     resumed.check(steps[-1])
     assert live.collapsed is False and resumed.collapsed is False
     assert resumed._collapse_steps == live._collapse_steps == 1
+
+
+def test_low_entropy_alone_is_quiet_a_habit_is_not():
+    """A policy that settles on one answer per prompt (a one-shot bandit's goal) does not warn; the same entropy with
+    the second-listed share pinned at 1 (a position habit) warns after ``patience`` steps and confirms a collapse."""
+    settled = CollapseMonitor(habit_metrics=("second_listed",))
+    for _ in range(10):
+        assert settled.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.3,
+                              "train/info_second_listed": 0.55}) == []
+    assert not settled.collapsed
+    habit = CollapseMonitor(habit_metrics=("second_listed",))
+    seen = [habit.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.3, "train/info_second_listed": 1.0})
+            for _ in range(3)]
+    assert seen[0] == seen[1] == []
+    assert any("second_listed share 1.00 for 3 steps" in w for w in seen[2])
+    assert any("entropy" in w for w in seen[2]) and habit.collapsed
