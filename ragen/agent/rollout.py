@@ -13,7 +13,6 @@ a 5-turn Sokoban episode of the same batch keeps playing.
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 from dataclasses import dataclass
 from typing import Sequence
@@ -28,7 +27,7 @@ from ragen.agent.trajectory import Trajectory, Turn
 from ragen.envs.base import GROUP_MEMBER_OPTION
 from ragen.envs.contract import (EnvContractError, checked_action_id, checked_reset, checked_step, describe_failure,
                                   instructions_problem)
-from ragen.models.backend import SamplingParams
+from ragen.engines.base import SamplingParams, engine_session
 
 
 @dataclass
@@ -219,13 +218,10 @@ class Rollout:
         return kept
 
     def _session(self, episodes: list[_Episode]):
-        """The backend's session for this run (``HFBackend.session``: KV caches kept between turns
-        when ``full`` prompts extend each other); a no-op for other backends."""
-        session = getattr(self.backend, "session", None)
-        if session is None:
-            return contextlib.nullcontext()
+        """The engine's scope for this run (the HF engine keeps KV caches between turns when ``full`` prompts extend
+        each other); a no-op for engines without one."""
         multi_turn_full = any(not ep.windowed and ep.settings.max_turn > 1 for ep in episodes)
-        return session(keep_kv=multi_turn_full)
+        return engine_session(self.backend, keep_kv=multi_turn_full)
 
     # -- one episode -------------------------------------------------------------------
 

@@ -84,12 +84,13 @@ def make_backend(config: RunConfig):
 
         backend = OpenAIChatBackend(spec[len(OPENAI_PREFIX) :])
         return backend, backend.tokenizer
-    from ragen.models import HFBackend, load_model
+    from ragen.engines import build_engine
+    from ragen.models import load_model
     from ragen.models.device import resolve_device
 
     model, tokenizer = load_model(spec, seed=config.seed)
     model.to(resolve_device(config.trainer.device))
-    backend = HFBackend.from_config(model, tokenizer, config)
+    backend = build_engine(model, tokenizer, config)
     return backend, tokenizer
 
 
@@ -107,7 +108,7 @@ def run_model(config: RunConfig, backend, tokenizer, seeds: list[int], *, k: int
               target: EvalTarget | None = None) -> dict[str, Any]:
     """Greedy episodes on ``seeds``, then ``n`` sampled episodes per seed for pass@k (``k = 0`` skips them)."""
     from ragen.agent import Rollout
-    from ragen.models import SamplingParams
+    from ragen.engines import SamplingParams
 
     target = target or eval_targets(config)[0]
     r, agent = config.rollout, target.settings

@@ -1,9 +1,8 @@
-"""Generation backends: ``generate(token-id prompts, sampling params) -> sampled token ids``.
+"""The ``hf`` generation engine: transformers models, with ragen's CPU fast path behind ``rollout.fast_decode``.
 
-The agent layer talks only to this interface, so the HF backend here can be swapped for
-vLLM or Ray rollout workers without touching the rollout. Every backend returns exactly
-the ids it sampled (never re-tokenised text), cut right after the first EOS or the
-first completed stop string, with the reason it stopped.
+It implements :class:`ragen.engines.base.GenerationEngine`: ``generate(token-id prompts, sampling params)`` returns
+exactly the ids it sampled (never re-tokenised text), cut right after the first EOS or the first completed stop
+string, with the reason it stopped. Built by :func:`ragen.engines.factory.build_engine`.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ragen.engines.base import Generation, SamplingParams
 from ragen.models.cache_names import CACHE_KWARG, output_cache, with_cache
 from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
@@ -38,32 +38,13 @@ if TYPE_CHECKING:
     from ragen.config import RunConfig
 
 
-@dataclass
-class SamplingParams:
-    """One generation request. ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off) alone shape the sampled
-    distribution with either HF sampler (and on the vLLM engine): the model's ``generation_config`` warpers (its
-    temperature, top-k, top-p, min-p, typical-p, ...) are not applied (:mod:`ragen.models.sampling`, "Which
-    distribution"). The trainer's log-probs assume ``softmax(logits / temperature)``: exact with top-k and top-p off,
-    not with them on."""
+def _with_engine(config: "RunConfig", engine: str) -> "RunConfig":
+    import copy
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    do_sample: bool = True
-    #: Generation ends once any of these strings is complete (e.g. ``"</answer>"``).
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    #: End-of-sequence tokens cannot be sampled before this many new tokens (transformers'
-    #: ``min_new_tokens``; on the vLLM engine ``min_tokens``, which holds back stop strings too). On the
-    #: HF engine stop strings still end a generation. Benchmarks use it for exact lengths.
-    min_new_tokens: int = 0
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    #: "eos" (sampled an EOS token; it is included), "stop" (completed a stop string), or "length".
-    finish_reason: str
+    other = copy.copy(config)
+    other.rollout = copy.copy(config.rollout)
+    other.rollout.engine = engine
+    return other
 
 
 def autocast(precision: str, device_type: str = "cpu"):
@@ -208,14 +189,11 @@ class HFBackend:
     @classmethod
     def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``,
-        ``reuse_kv_max_gb``, ``fast_decode``)."""
-        r = config.rollout
-        return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
-                   reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
-                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode,
-                   native_decode=r.fast_decode and r.native_decode)
+        ``reuse_kv_max_gb``, ``fast_decode``): :func:`ragen.engines.factory.build_engine` with ``rollout.engine=hf``."""
+        from ragen.engines.factory import build_engine
+
+        hf = config if config.rollout.engine == "hf" else _with_engine(config, "hf")
+        return build_engine(model, tokenizer, hf)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):

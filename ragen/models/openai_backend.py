@@ -36,7 +36,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ragen.models.backend import Generation, SamplingParams
+from ragen.engines.base import Generation, SamplingParams
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 #: HTTP statuses worth retrying: rate limits and server-side failures.

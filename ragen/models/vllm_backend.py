@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ragen.config import ConfigError
-from ragen.models.backend import Generation, SamplingParams
+from ragen.engines.base import Generation, SamplingParams
 
 INSTALL_HINT = "pip install 'ragen[vllm]'"
 #: ``worker_extension_cls`` for vLLM: its workers import this module and mix the class in.

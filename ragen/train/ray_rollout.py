@@ -48,7 +48,8 @@ import torch
 
 from ragen.agent import AgentSettings, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
-from ragen.models import HFBackend, SamplingParams, apply_lora, load_model
+from ragen.engines import SamplingParams
+from ragen.models import HFBackend, apply_lora, load_model
 from ragen.runtime import keep_freed_memory
 from ragen.train.distributed import shard
 from ragen.train.env_sets import Slots, train_sets, val_sets

@@ -28,7 +28,8 @@ from ragen.envs.registry import habit_metric_names
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
 from ragen.files import atomic_open, strict_dumps, write_text_atomic
-from ragen.models import HFBackend, SamplingParams, apply_lora, autocast, load_model
+from ragen.engines import SamplingParams, build_engine
+from ragen.models import HFBackend, apply_lora, autocast, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
 from ragen.models.freeze import train_top_layers
@@ -133,12 +134,10 @@ class StarPOTrainer:
         )
 
         # -- rollout --------------------------------------------------------------------
-        if config.rollout.engine == "vllm" and self.is_main:  # only rank 0 rolls out; other ranks need just pad_id
-            from ragen.models.vllm_backend import VLLMBackend
-
-            self.backend = VLLMBackend(self.rollout_model, self.tokenizer, precision=config.trainer.precision, seed=config.seed)
+        if self.is_main:  # only rank 0 rolls out (rollout.engine: hf or vllm; ragen/engines/)
+            self.backend = build_engine(self.rollout_model, self.tokenizer, config, say=self.say)
         else:  # ranks other than 0 never generate: under FSDP they hold no replica, and need only pad_id
-            self.backend = HFBackend.from_config(self.model if self.rollout_model is None else self.rollout_model, self.tokenizer, config)
+            self.backend = HFBackend.from_config(self.model, self.tokenizer, config)
         agent = AgentSettings(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout
