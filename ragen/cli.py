@@ -285,6 +285,13 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from ragen.config_reference import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from ragen.config import ConfigError, load_config
     from ragen.eval.sweep import format_table, parse_seeds, sweep
@@ -347,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also evaluate OTHER_MODEL (greedy) on the same seeds and print the paired difference "
                                "of success rates with its 95%% interval")
     evaluate.set_defaults(func=cmd_eval)
+    config_cmd = sub.add_parser("config", help="print the configuration reference (every key, type, default, meaning)")
+    config_cmd.add_argument("--list", action="store_true", help="every key of ragen train and ragen sft train, as Markdown")
+    config_cmd.set_defaults(func=cmd_config)
     sweep = sub.add_parser("sweep", help="train a preset on several seeds and print each seed's validation gain")
     sweep.add_argument("preset", help="a preset (ragen/configs/) or a YAML config path")
     sweep.add_argument("overrides", nargs="*", help="dotted key=value overrides for every seed's run")

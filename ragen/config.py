@@ -50,7 +50,9 @@ class AgentConfig:
     response_prefix: str = ""
     #: Reward added to a turn whose answer cannot be parsed or names no valid action.
     format_penalty: float = -0.1
+    #: The system message of every prompt (a tag's ``system_prompt`` replaces it for that tag).
     system_prompt: str = "You're a helpful assistant."
+    #: What separates several actions in one answer (``max_actions_per_turn`` > 1).
     action_sep: str = "||"
     #: Shaped reward per turn for a well-formed answer with a non-empty ``<think>`` (0 = off; needs enable_think).
     think_reward: float = 0.0
@@ -122,9 +124,13 @@ class RolloutConfig:
     env_groups: int = 8
     #: Envs per group (GRPO's G).
     group_size: int = 4
+    #: Most tokens the model may write in one turn; a longer answer is cut there (and usually fails to parse).
     max_new_tokens: int = 128
+    #: Sampling temperature of training rollouts (the update's log-probs use the same ``softmax(logits / T)``).
     temperature: float = 1.0
+    #: Nucleus sampling (1 = off). The update's log-probs assume it off.
     top_p: float = 1.0
+    #: Top-k sampling (0 = off). The update's log-probs assume it off.
     top_k: int = 0
     #: Sequences per ``generate`` call.
     batch_size: int = 64
@@ -172,7 +178,9 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     #: GRPO's division by the in-group std (Dr.GRPO turns it off).
     norm_adv_by_std: bool = True
+    #: Token-level discount of the returns (GAE, REINFORCE++, RLOO...).
     gamma: float = 1.0
+    #: GAE's λ.
     lam: float = 1.0
     #: Turn-level discount of bi-level GAE (VAGEN's TRICO).
     high_level_gamma: float = 0.95
@@ -195,6 +203,7 @@ class AlgorithmConfig:
     use_kl_loss: bool = False
     #: KL to the initial policy as a per-token reward penalty.
     use_kl_in_reward: bool = False
+    #: Weight of the KL term (``use_kl_loss``) or penalty (``use_kl_in_reward``).
     kl_coef: float = 0.001
     #: KL estimator of the KL loss: k1, k2 or k3 (Schulman 2020).
     kl_type: str = "k3"
@@ -207,12 +216,16 @@ class AlgorithmConfig:
     clip_range_value: float | None = 0.2
     #: Policy loss by registered name.
     policy_loss: str = "clipped"
+    #: PPO's lower clip: the ratio is floored at ``1 - clip_ratio_low``.
     clip_ratio_low: float = 0.2
     #: Clip-higher (DAPO; StarPO-S uses 0.28): a larger upper clip keeps exploring tokens alive.
     clip_ratio_high: float = 0.28
     #: Dual-clip bound for negative advantages (Ye et al. 2020); None = off.
     clip_ratio_c: float | None = None
+    #: Weight of the entropy bonus in the policy loss (0 = off; the entropy is still logged).
     entropy_coeff: float = 0.0
+    #: How token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean``, ``seq-mean-token-sum``
+    #: (Dr.GRPO) or ``seq-mean-token-sum-norm``.
     loss_agg_mode: str = "token-mean"
     #: Passes over one rollout batch.
     ppo_epochs: int = 1
@@ -233,9 +246,13 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
+    #: AdamW's learning rate.
     lr: float = 1e-6
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW's β1, β2.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: Largest global gradient norm; larger gradients are scaled down to it.
     grad_clip: float = 1.0
     #: Linear warm-up over this many *optimizer* steps (0 = constant LR), as in transformers' Trainer / TRL: an RL
     #: training step makes ppo_epochs x ceil(episodes / mini_batch_size) of them, an SFT step one. A skipped
@@ -255,8 +272,11 @@ class OptimConfig:
 class LoraConfig:
     #: 0 = full fine-tuning; > 0 trains LoRA adapters of this rank (peft).
     rank: int = 0
+    #: LoRA's scale numerator: the adapter's update is multiplied by ``alpha / rank``.
     alpha: float = 32.0
+    #: Dropout on the adapters' input.
     dropout: float = 0.0
+    #: Module names that get adapters (peft's ``target_modules``).
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -264,6 +284,7 @@ class LoraConfig:
 
 @dataclass
 class TrainerConfig:
+    #: RL steps (each: one rollout, then the update).
     total_steps: int = 20
     #: Run directory; empty = ``runs/<env>-<timestamp>``.
     output_dir: str = ""
@@ -276,11 +297,13 @@ class TrainerConfig:
     device: str = "auto"
     #: Validate every N steps (0 = only before training and at the end).
     val_freq: int = 0
+    #: Validate the untrained model first (the "before" of every learning claim).
     val_before_train: bool = True
     #: Held-out validation episodes (seeds disjoint from training seeds).
     val_episodes: int = 64
     #: Validation decoding: sampled at ``val_temperature``, or greedy when ``val_do_sample`` is false.
     val_do_sample: bool = True
+    #: Sampling temperature of validation when ``val_do_sample`` is true.
     val_temperature: float = 1.0
     #: Save the final weights (or LoRA adapter) to ``<output_dir>/final``.
     save_final: bool = True
@@ -323,6 +346,7 @@ class TrainerConfig:
 class RunConfig:
     #: ``smollm2-135m`` (embedded default), ``tiny`` (tests), or a path to an HF model dir.
     model: str = "smollm2-135m"
+    #: Seeds the model's random init (``tiny``), torch, numpy and the training seeds' draw.
     seed: int = 0
     env: EnvConfig = field(default_factory=EnvConfig)
     #: Env tags: mixed training batches and several validation sets (overrides ``env`` when set).

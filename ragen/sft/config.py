@@ -37,14 +37,19 @@ class SFTDataConfig:
 
 @dataclass
 class SFTOptimConfig:
+    #: AdamW's peak learning rate (after warm-up).
     lr: float = 1e-4
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW's β1, β2.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    #: Largest global gradient norm; larger gradients are scaled down to it.
     grad_clip: float = 1.0
     #: Linear warm-up steps.
     warmup_steps: int = 10
     #: "cosine" (decay to ``min_lr_ratio * lr`` at the last step) or "constant" (after warm-up).
     schedule: str = "cosine"
+    #: The cosine schedule's final rate, as a share of ``lr``.
     min_lr_ratio: float = 0.1
     #: torch's fused AdamW where every trainable parameter allows it (see ``optim.fused`` of RL runs).
     fused: bool = True
@@ -71,11 +76,13 @@ class SFTTrainerConfig:
     output_dir: str = ""
     #: Checkpoint every N steps (0 = never; Ctrl-C always saves one); see ``ragen sft train --resume``.
     save_freq: int = 0
+    #: Checkpoints kept on disk, the newest (0 = every one).
     keep_checkpoints: int = 2
     #: Stop after this many seconds of training (0 = no limit); the final weights are saved as usual.
     max_time_s: float = 0.0
     #: Save the final weights (or LoRA adapter) and tokenizer to ``<output_dir>/final``.
     save_final: bool = True
+    #: Show a tqdm progress bar.
     progress_bar: bool = True
     #: torch threads (0 = torch's default).
     num_threads: int = 0
@@ -94,6 +101,7 @@ class SFTTrainerConfig:
 class SFTConfig:
     #: ``smollm2-135m`` (embedded default), ``tiny`` (tests), an HF model dir or a ragen run dir.
     model: str = "smollm2-135m"
+    #: Seeds the data split, the shuffle and torch.
     seed: int = 0
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
