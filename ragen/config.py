@@ -224,8 +224,8 @@ class AlgorithmConfig:
     clip_ratio_c: float | None = None
     #: Weight of the entropy bonus in the policy loss (0 = off; the entropy is still logged).
     entropy_coeff: float = 0.0
-    #: How token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean``, ``seq-mean-token-sum``
-    #: (Dr.GRPO) or ``seq-mean-token-sum-norm``.
+    #: How token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean`` or ``seq-mean-token-sum``
+    #: (Dr.GRPO).
     loss_agg_mode: str = "token-mean"
     #: Passes over one rollout batch.
     ppo_epochs: int = 1
