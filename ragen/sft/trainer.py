@@ -35,6 +35,7 @@ from ragen.files import file_sha256, strict_dumps, write_dir_atomic, write_text_
 from ragen.train import micro_batches
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
 from ragen.train.checkpoint_choice import CheckpointingChoice
+from ragen.train.memory_guard import SFT_KEYS, MemoryGuard
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
@@ -78,6 +79,7 @@ class SFTTrainer:
         if config.lora.rank > 0:
             self.model = apply_lora(self.model, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.target_modules)
             self.model.to(self.device)
+        self.memory_guard = MemoryGuard(SFT_KEYS, tqdm.write)
         self.checkpointing = CheckpointingChoice(self.model, t.gradient_checkpointing, t.max_tokens_per_micro_batch,
                                                  tqdm.write, prefix="[ragen sft]")
         per_step = min(t.batch_size, len(self.data.train))
@@ -123,6 +125,7 @@ class SFTTrainer:
             metrics = self.optimizer_step(step_examples(self.data.train, cfg.batch_size, self.config.seed, step))
             metrics.update({"step": step, "time/step_s": time.perf_counter() - t0,
                             "train/epoch": step * min(cfg.batch_size, len(self.data.train)) / len(self.data.train)})
+            self.memory_guard.after_step(step)
             out_of_time = cfg.max_time_s > 0 and time.perf_counter() - start >= cfg.max_time_s
             last = step == self.total_steps or out_of_time or interrupt.requested
             last_eval = None

@@ -44,6 +44,7 @@ from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics
                                     truncate_metrics)
 from ragen.train.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import build_loggers, require_logger_packages
+from ragen.train.memory_guard import RL_KEYS, MemoryGuard
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
 from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
@@ -124,6 +125,7 @@ class StarPOTrainer:
                 shard_layers(self.ref_model, self.device)
         self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor(habit_metrics=habit_metric_names())
+        self.memory_guard = MemoryGuard(RL_KEYS, self.say)  # warns once if the first steps near the machine's memory
         self.optimizer = adamw(
             self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas),
             weight_decay=config.optim.weight_decay, fused=config.optim.fused,
@@ -242,6 +244,7 @@ class StarPOTrainer:
             if metrics.get("actor/nonfinite_grad_skipped"):
                 say(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
                     f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
+            self.memory_guard.after_step(step)
             for warning in self.collapse_monitor.check(metrics):
                 say(f"[ragen] collapse warning at step {step}: {warning}")
             stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed

@@ -70,3 +70,21 @@ def test_auto_checkpointing_says_once_which_it_chose_and_why():
     assert never.before_update(10_000) is False and not is_checkpointing(model)
     always = CheckpointingChoice(model, "true", 100, lines.append)
     assert always.before_update(10) is True and is_checkpointing(model)
+
+
+def test_the_memory_guard_warns_once_near_the_machines_memory():
+    from ragen.train.memory_guard import GiB, RL_KEYS, MemoryGuard, available_memory, peak_rss
+
+    lines: list[str] = []
+    guard = MemoryGuard(RL_KEYS, lines.append, peak=lambda: 9 * GiB, rss=lambda: 8 * GiB, available=lambda: 2 * GiB)
+    assert guard.after_step(1) is True and guard.after_step(2) is False  # 9 of 10 GB: once
+    assert lines == ["[ragen] memory: step 1 peaked at 9.0 GB of the 10.0 GB this process can have; later steps with "
+                     "longer episodes may be killed by the system. Lower algorithm.max_tokens_per_micro_batch, "
+                     "rollout.max_episodes_in_flight, rollout.reuse_kv_max_gb, or set lora.rank "
+                     "(docs/performance.md, \"Memory\")."]
+    roomy = MemoryGuard(RL_KEYS, lines.append, peak=lambda: 4 * GiB, rss=lambda: 3 * GiB, available=lambda: 20 * GiB)
+    assert not any(roomy.after_step(s) for s in (1, 2, 3, 4))
+    late = MemoryGuard(RL_KEYS, lines.append, peak=lambda: 9 * GiB, rss=lambda: 8 * GiB, available=lambda: 1 * GiB)
+    assert late.after_step(4) is False  # only the first steps are judged
+    assert peak_rss() is None or peak_rss() > 0
+    assert available_memory() is None or available_memory() > 0
