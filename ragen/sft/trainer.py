@@ -38,7 +38,7 @@ from ragen.train.checkpoint_choice import CheckpointingChoice
 from ragen.train.memory_guard import SFT_KEYS, MemoryGuard
 from ragen.train.logprobs import policy_forward
 from ragen.train.optimizer import adamw, step_if_finite
-from ragen.train.trainer import GracefulInterrupt, progress, seed_everything
+from ragen.train.console import GracefulInterrupt, progress, seed_everything
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float):

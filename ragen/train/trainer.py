@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import signal
 import time
 import contextlib
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
@@ -43,11 +41,14 @@ from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
 from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics, restore_latest, save_checkpoint,
                                     truncate_metrics)
 from ragen.train.env_sets import Slots, train_sets, val_sets
+from ragen.train.console import GracefulInterrupt, fmt, progress, seed_everything
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.memory_guard import RL_KEYS, MemoryGuard
 from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
 from ragen.train.optimizer import adamw, step_if_finite
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
+from ragen.train.update_targets import (EV_PREFIX, LOSS_METRICS, ExplainedVarianceSums, UpdateTargets,
+                                        group_contiguous)
 from ragen.train.preflight import run_dir_problem
 
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
@@ -761,140 +762,3 @@ def logged_sample(trajectories: list[Trajectory], n: int) -> list[Trajectory]:
             if turn < len(queue):
                 ordered += queue[turn]
     return ordered[:n]
-
-
-@dataclass
-class UpdateTargets:
-    """Per-token targets fixed before the update (all ``(B, T)``; optional ones may be None)."""
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
-    old_values: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-
-    def select(self, index, width: int | None = None) -> "UpdateTargets":
-        cut = slice(None) if width is None else slice(0, width)
-        return UpdateTargets(**{k: None if v is None else v[index][:, cut] for k, v in self.__dict__.items()})
-
-    def to(self, device: torch.device) -> "UpdateTargets":
-        return UpdateTargets(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
-
-
-def group_contiguous(index: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """``index`` (a mini-batch's rows, shuffled) reordered so each group's rows are adjacent.
-
-    Micro-batches are contiguous slices of the mini-batch, and the shared-prompt forward runs
-    each distinct prompt once *per micro-batch*: a group split across micro-batches runs its
-    prompt once in each. With ``lengths`` (each row's tokens, ``(B,)``) groups are ordered by
-    their longest row, so a micro-batch holds groups of similar length and is padded less (each
-    micro-batch is trimmed to its longest row). Which rows form the mini-batch is unchanged, and
-    the optimizer step sums the micro-batches' gradients, so the order changes nothing but float
-    summation order. Otherwise, and among groups of equal length, groups keep the order of their
-    first row in ``index`` (the shuffle still decides it).
-    """
-    groups = group_ids[index].tolist()  # (M,)
-    first_seen: dict[int, int] = {}
-    longest: dict[int, int] = {}
-    row_lengths = lengths[index].tolist() if lengths is not None else [0] * len(groups)
-    for position, (g, n) in enumerate(zip(groups, row_lengths)):
-        first_seen.setdefault(g, position)
-        longest[g] = max(longest.get(g, 0), n)
-    rank = sorted(range(len(groups)), key=lambda r: (-longest[groups[r]], first_seen[groups[r]]))
-    return index[torch.tensor(rank, dtype=torch.long)]
-
-
-#: Update metrics that are losses: weighted by the loss's share of a mini-batch (tokens or sequences, as
-#: ``loss_agg_mode``). Other metrics are token statistics (clip fractions, ratios, KL estimates), weighted by
-#: token share; either way the accumulated value is the one-pass value (tests/train/test_micro_batches.py).
-LOSS_METRICS = frozenset({"actor/loss", "actor/entropy"})
-
-
-#: Metric keys of :class:`ExplainedVarianceSums`' totals (summed over micro-batches, ranks and optimizer steps; not logged).
-EV_PREFIX = "critic/_ev_"
-
-
-class ExplainedVarianceSums:
-    """Sums from which the explained variance 1 − Var[R − V] / Var[R] over all masked tokens (1 = perfect critic)
-    is exact, whatever the micro-batches
-    and ranks they came from (fp64: n, ΣR, ΣR², ΣD, ΣD², ΣV² with D = R − V); summed like other metrics.
-
-    Undefined (NaN) when the returns are constant up to the fp32 rounding they were computed with: GAE's returns are
-    ``A + V`` in fp32, so equal true returns (every reward 0, say) still vary by ~1e-7·|V|, and dividing by that
-    variance would log a number like -1e14. Returns whose variance is below (1e-6)² times the larger of their and the
-    values' mean square count as constant."""
-
-    KEYS = ("n", "r", "r2", "d", "d2", "v2")
-
-    def __init__(self):
-        self.totals = dict.fromkeys(self.KEYS, 0.0)
-
-    def add(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
-        m = mask.bool()
-        r = returns[m].double()
-        v = values[m].double()
-        d = r - v
-        for key, x in (("n", torch.ones_like(r)), ("r", r), ("r2", r * r), ("d", d), ("d2", d * d), ("v2", v * v)):
-            self.totals[key] += float(x.sum())
-
-    def as_metrics(self) -> dict[str, float]:
-        return {f"{EV_PREFIX}{k}": v for k, v in self.totals.items()} if self.totals["n"] else {}
-
-    @staticmethod
-    def from_metrics(metrics: dict[str, float]) -> float:
-        """The explained variance from summed :meth:`as_metrics` entries (popped from ``metrics``); NaN if undefined."""
-        t = {k: metrics.pop(f"{EV_PREFIX}{k}", 0.0) for k in ExplainedVarianceSums.KEYS}
-        n = t["n"]
-        if n < 2:
-            return float("nan")
-        var_r = t["r2"] / n - (t["r"] / n) ** 2
-        var_d = t["d2"] / n - (t["d"] / n) ** 2
-        if var_r <= 1e-12 * max(t["r2"] / n, t["v2"] / n, 1e-300):  # constant up to fp32 rounding: undefined
-            return float("nan")
-        return 1.0 - var_d / var_r
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def fmt(metrics: dict[str, float]) -> str:
-    keys = ("val/success", "val/reward_mean", "val/format_valid")
-    line = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
-    if "val/success_ci_low" in metrics:  # the 95 % Wilson interval of the success rate, after it
-        line = line.replace(f"success={metrics['val/success']:.3f}", f"success={metrics['val/success']:.3f} "
-                            f"(95% CI {metrics['val/success_ci_low']:.3f}-{metrics['val/success_ci_high']:.3f})", 1)
-    errors = int(metrics.get("val/env_errors", 0))
-    if errors:  # those episodes are left out of the numbers above
-        line += f"{'  ' if line else ''}env_errors={errors} of {errors + int(metrics.get('val/episodes', 0))} episodes"
-    return line
-
-
-def progress(total: int, enabled: bool, initial: int = 0):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", disable=not enabled, dynamic_ncols=True)
-
-
-class GracefulInterrupt:
-    """First Ctrl-C: finish the current step, checkpoint, exit cleanly. Second Ctrl-C: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\n[ragen] Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None

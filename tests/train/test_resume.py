@@ -229,7 +229,7 @@ def test_a_resumed_run_stops_on_collapse_at_the_step_the_uninterrupted_one_does(
     from ragen.eval.collapse import CollapseMonitor
 
     # every step counts as collapsed-looking, so a collapse is confirmed at the third (patience 3)
-    monkeypatch.setattr(trainer_module, "CollapseMonitor", lambda: CollapseMonitor(entropy_floor=1e9, std_floor=1e9))
+    monkeypatch.setattr(trainer_module, "CollapseMonitor", lambda **kw: CollapseMonitor(entropy_floor=1e9, std_floor=1e9, **kw))
     args = [*ARGS, "trainer.stop_on_collapse=true", "trainer.val_freq=0", "trainer.total_steps=6"]
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert main(["train", "bandit", *args, f"trainer.output_dir={straight}"]) == 0
