@@ -14,32 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ragen.cli_common import (INTERRUPTED, USAGE_ERROR, _fail, _quiet_transformers, _rank0,  # noqa: E402,F401
+                              note_lost_env_settings)
 from ragen.runtime import keep_freed_memory  # noqa: E402 (after the environment defaults above)
-
-USAGE_ERROR = 2
-
-
-def _fail(message: str) -> int:
-    print(f"ragen: error: {message}", file=sys.stderr)
-    return USAGE_ERROR
-
-
-def _rank0() -> bool:
-    """Rank 0 of a torchrun launch (its ``RANK``), or a single process: what the CLI reads before any process group."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def note_lost_env_settings(config) -> None:
-    """One stderr line (rank 0 only) naming ``env.config`` settings from a YAML file that ``es.train`` leaves unused."""
-    from ragen.config import lost_env_settings
-
-    lost = lost_env_settings(config)
-    if lost and _rank0():
-        groups = sum(entry.groups for entry in config.es.train)
-        print(f"ragen: note: {', '.join(lost)} not used: es.train is set, so its tags are the training envs "
-              f"({groups} groups in all; env settings go on a tag: es.tags.TAG.config.KEY; docs/env_tags.md)",
-              file=sys.stderr)
-
 
 def note_val_tags_keep_their_envs(config, overrides: list[str]) -> None:
     """One stderr line (rank 0 only) when ``env.*`` overrides typed for a run leave validation's ``es.val`` tags as
@@ -144,10 +121,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return INTERRUPTED if "interrupted_at_step" in summary else 0
 
 
-#: Exit status of a run stopped by Ctrl-C (its checkpoint saved), as shells report SIGINT: ``train && eval`` stops there.
-INTERRUPTED = 128 + 2
-
-
 def cmd_envs(args: argparse.Namespace) -> int:
     import ragen.envs
 
@@ -211,8 +184,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
     from ragen.config import ConfigError, load_config, reject_env_overrides_eval_ignores, run_kind
 
     preset = args.env
@@ -276,13 +247,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print()
         print(format_comparison(args.model, args.compare, compare_reports(report, other)))
     return 0
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def cmd_config(args: argparse.Namespace) -> int:

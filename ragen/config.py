@@ -16,14 +16,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ragen.errors import ConfigError
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
 
 PRESET_DIR = Path(__file__).parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration (unknown key, wrong type, impossible value)."""
 
 
 @dataclass

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from ragen.engines.base import GenerationEngine
@@ -39,14 +38,7 @@ def build_engine(model, tokenizer, config, *, say: Callable[[str], None] | None 
     elif engine == "hf":
         from ragen.models.backend import HFBackend
 
-        r = config.rollout
-        built = HFBackend(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size,
-                          reuse_kv=r.reuse_kv,
-                          reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
-                          transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                          fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
-                          fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode,
-                          native_decode=r.fast_decode and r.native_decode)
+        built = HFBackend.from_config(model, tokenizer, config)
         why = describe_hf(model, config)
     else:
         raise ValueError(f"rollout.engine must be one of {list(ENGINES)}, got {engine!r}")

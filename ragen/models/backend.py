@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +24,7 @@ from ragen.models.cast_cache import frozen_weights_cast_once
 from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
-from ragen.models import native_decode
+import ragen.models.native_decode as native_decode
 from ragen.models.fused_decode import PREFIX_PAGE_SPARE, FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, \
     fused_decode_for
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
@@ -36,15 +36,6 @@ from ragen.models.transposed_gemm import transposed_linears
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
-
-
-def _with_engine(config: "RunConfig", engine: str) -> "RunConfig":
-    import copy
-
-    other = copy.copy(config)
-    other.rollout = copy.copy(config.rollout)
-    other.rollout.engine = engine
-    return other
 
 
 def autocast(precision: str, device_type: str = "cpu"):
@@ -189,11 +180,14 @@ class HFBackend:
     @classmethod
     def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``,
-        ``reuse_kv_max_gb``, ``fast_decode``): :func:`ragen.engines.factory.build_engine` with ``rollout.engine=hf``."""
-        from ragen.engines.factory import build_engine
-
-        hf = config if config.rollout.engine == "hf" else _with_engine(config, "hf")
-        return build_engine(model, tokenizer, hf)
+        ``reuse_kv_max_gb``, ``fast_decode``, ``native_decode``); :func:`ragen.engines.factory.build_engine` calls it."""
+        r = config.rollout
+        return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
+                   reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
+                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
+                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
+                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode,
+                   native_decode=r.fast_decode and r.native_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):

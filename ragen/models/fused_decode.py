@@ -51,7 +51,10 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from ragen.models import decode_attention, native, native_decode, train_attention
+import ragen.models.decode_attention as decode_attention
+import ragen.models.native as native
+import ragen.models.native_decode as native_decode
+import ragen.models.train_attention as train_attention
 from ragen.models.decode_attention import grouped_one_query
 from ragen.models.cache_names import CACHE_KWARG
 from ragen.models.lora import base_model

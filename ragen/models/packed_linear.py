@@ -40,7 +40,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ragen.models import native
+import ragen.models.native as native
 from ragen.models.transposed_gemm import MAX_ROWS, transposed_linear
 
 #: Row count oneDNN is told to expect when packing (measured: the layout it picks ran equally fast at 1-700 rows).

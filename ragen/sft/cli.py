@@ -13,19 +13,19 @@ from pathlib import Path
 
 
 def _fail(message: str) -> int:
-    from ragen.cli import _fail as fail
+    from ragen.cli_common import _fail as fail
 
     return fail(message)
 
 
 def _quiet() -> None:
-    from ragen.cli import _quiet_transformers
+    from ragen.cli_common import _quiet_transformers
 
     _quiet_transformers()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ragen.cli import note_lost_env_settings
+    from ragen.cli_common import note_lost_env_settings
     from ragen.config import ConfigError, load_config
     from ragen.models.loading import load_tokenizer
     from ragen.sft.generate import (ReplyLengths, demo_target, expert_records, output_problem, rollout_logs,
@@ -129,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as exc:
         return _fail(str(exc).splitlines()[0])
     summary = trainer.train()
-    from ragen.cli import INTERRUPTED
+    from ragen.cli_common import INTERRUPTED
 
     return INTERRUPTED if "interrupted_at_step" in summary else 0
 

@@ -37,7 +37,7 @@ def unknown_loggers(names: list[str]) -> list[str]:
 
 def require_logger_packages(names: list[str]) -> None:
     """Raise :class:`~ragen.config.ConfigError` (exit 2 in the CLI) when a requested logger's package is missing."""
-    from ragen.config import ConfigError
+    from ragen.errors import ConfigError
 
     if "wandb" in names:
         try:
@@ -150,7 +150,7 @@ class WandbLogger:
         try:
             import wandb
         except ImportError:
-            from ragen.config import ConfigError
+            from ragen.errors import ConfigError
 
             raise ConfigError(WANDB_MISSING) from None
         run_id = wandb_run_id(run_dir / "wandb" / "ragen_run_id")
