@@ -283,7 +283,7 @@ class Rollout:
         elif parsed.format_valid:
             ep.observation = self._step(ep, action_ids, turn)
         else:
-            turn.format_penalty = settings.format_penalty
+            turn.format_penalty = malformed_turn_penalty(settings, env, ep.actions_left)
             turn.info["format_error"] = parsed.error
             feedback = f"Your answer was invalid ({parsed.error}); the state did not change."
         observation = turn.observation = ep.observation
@@ -374,6 +374,15 @@ def plain_info(info: dict) -> dict:
         if isinstance(value, (bool, int, float, str)):
             out[key] = value
     return out
+
+
+def malformed_turn_penalty(settings: "AgentSettings", env, actions_left: int | None) -> float:
+    """What a turn whose answer does not parse costs: ``format_penalty``, plus the env's ``idle_action_reward`` for every
+    action the turn could have taken (Sokoban: −0.1 a step). So a malformed turn always costs more than a well-formed
+    turn of useless moves, and RL cannot learn to answer malformed to dodge step penalties."""
+    budget = settings.max_actions_per_turn if actions_left is None else min(settings.max_actions_per_turn, actions_left)
+    idle = float(getattr(env, "idle_action_reward", 0.0) or 0.0)
+    return settings.format_penalty + max(0, budget) * min(0.0, idle)
 
 
 def group_members(group_ids: Sequence[int]) -> list[int]:

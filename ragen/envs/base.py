@@ -119,6 +119,10 @@ class TextEnv(gym.Env):
     description: str = ""
     instructions: str = ""
     action_lookup: dict[int, str] = {}
+    #: The reward of a valid action that achieves nothing (Sokoban's step penalty; 0 where moving is free). A
+    #: malformed turn costs ``agent.format_penalty`` plus this for every action the turn could have taken, so an
+    #: unparsable answer never pays better than a well-formed useless one (else RL learns to answer malformed).
+    idle_action_reward: float = 0.0
 
     def parse_action(self, text: str) -> int | None:
         """Return the action id named by ``text`` (case- and space-insensitive), else None."""

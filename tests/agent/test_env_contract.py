@@ -264,3 +264,20 @@ def test_play_takes_instructions_as_the_rollout_does(monkeypatch):
     play("test_contract_play_no_instructions", seed=0, input_fn=lambda prompt: "quit", print_fn=shown.append,
          agent={"instructions": "Walk right."})
     assert any("Walk right." in str(line) for line in shown)
+
+
+def test_a_malformed_sokoban_turn_costs_more_than_a_useless_well_formed_one():
+    """The trap RL fell into: a malformed turn (−0.1) cost less than two moves that push nothing (−0.2), so answering
+    malformed paid. Now it costs the format penalty plus the step penalty of every action the turn could take."""
+    import ragen.envs
+    from ragen.agent.rollout import AgentSettings, malformed_turn_penalty
+
+    env = ragen.envs.make("sokoban")
+    settings = AgentSettings(max_actions_per_turn=2, format_penalty=-0.1)
+    assert malformed_turn_penalty(settings, env, None) == pytest.approx(-0.3)
+    assert malformed_turn_penalty(settings, env, 1) == pytest.approx(-0.2)  # one action left in the episode's budget
+    useless_turn = 2 * env.idle_action_reward  # two moves into a wall: the step penalty twice, nothing else
+    assert malformed_turn_penalty(settings, env, None) < useless_turn
+    # envs where moving is free keep the plain format penalty
+    assert malformed_turn_penalty(settings, ragen.envs.make("frozen_lake"), None) == pytest.approx(-0.1)
+    assert malformed_turn_penalty(settings, ragen.envs.make("bandit"), None) == pytest.approx(-0.1)

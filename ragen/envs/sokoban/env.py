@@ -124,6 +124,8 @@ class SokobanEnv(TiledRender, TextEnv):
     """
 
     description = "Sokoban: push every box onto a target in a small walled room."
+    #: Every step costs gym-sokoban's step penalty, a useless one too (see ``TextEnv.idle_action_reward``).
+    idle_action_reward = STEP_PENALTY
     metadata = {"render_modes": ["text", "ansi", "rgb_array"], "render_fps": 4}
     tiles = TILES
     action_lookup = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
