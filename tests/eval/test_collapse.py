@@ -80,3 +80,26 @@ def test_low_entropy_alone_is_quiet_a_habit_is_not():
     assert seen[0] == seen[1] == []
     assert any("second_listed share 1.00 for 3 steps" in w for w in seen[2])
     assert any("entropy" in w for w in seen[2]) and habit.collapsed
+
+
+def _replay(name: str) -> tuple[CollapseMonitor, list[str]]:
+    """The monitor over a real run's logged signals (SmolLM2-135M on the bandit preset with group-balanced arm orders,
+    bf16): ``bandit_position_habit.jsonl`` ends answering the first-listed arm whatever the names (validation 0.500),
+    ``bandit_name_reading.jsonl`` learned the names (validation 0.539 → 0.766)."""
+    import json
+    from pathlib import Path
+
+    from ragen.envs.registry import habit_metric_names
+
+    monitor = CollapseMonitor(habit_metrics=habit_metric_names())
+    warnings = []
+    for line in (Path(__file__).parent / "data" / name).read_text().splitlines():
+        warnings += monitor.check(json.loads(line))
+    return monitor, warnings
+
+
+def test_the_alarm_fires_on_a_real_collapsed_run_and_stays_quiet_on_a_healthy_one():
+    collapsed, fired = _replay("bandit_position_habit.jsonl")
+    assert any("second_listed share 0.00" in w for w in fired) and collapsed.collapsed
+    healthy, quiet = _replay("bandit_name_reading.jsonl")
+    assert quiet == [] and not healthy.collapsed
