@@ -21,3 +21,11 @@ def test_the_circle_finder_finds_a_circle(tmp_path, monkeypatch):
         sys.path.pop(0)
     assert module_map.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert module_map.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_architecture_page_draws_the_current_module_map():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "module_map.py")], capture_output=True, text=True,
+                          check=True)
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawn = page.split("<!-- module-map:start -->\n", 1)[1].split("\n<!-- module-map:end -->", 1)[0]
+    assert drawn == done.stdout.strip(), "redraw it: .venv/bin/python scripts/module_map.py"
