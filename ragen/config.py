@@ -273,7 +273,8 @@ class LoraConfig:
     alpha: float = 32.0
     #: Dropout on the adapters' input.
     dropout: float = 0.0
-    #: Module names that get adapters (peft's ``target_modules``).
+    #: Module names that get adapters (peft's ``target_modules``); ``[all-linear]``: every linear layer but the head.
+    #: The default names Llama-family projections; a model with none of them (GPT-2, GPT-NeoX) gets ``all-linear``.
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

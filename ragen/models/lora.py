@@ -10,13 +10,28 @@ from peft import LoraConfig, get_peft_model
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+#: ``lora.target_modules: [all-linear]``: every linear layer but the output head (peft's own shorthand).
+ALL_LINEAR = "all-linear"
+
+
+def lora_targets(model, target_modules: list[str] | None) -> list[str] | str:
+    """What peft adapts: the given module names; ``all-linear`` when asked for, and also when the default (Llama-family
+    projection names) matches no module of ``model`` (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``, ...)."""
+    targets = list(target_modules or DEFAULT_TARGETS)
+    if targets == [ALL_LINEAR]:
+        return ALL_LINEAR
+    if targets == DEFAULT_TARGETS and not any(name.rsplit(".", 1)[-1] in targets for name, _ in model.named_modules()):
+        return ALL_LINEAR
+    return targets
+
+
 def apply_lora(model, rank: int, alpha: float, dropout: float = 0.0, target_modules: list[str] | None = None):
     """Wrap ``model`` with trainable rank-``rank`` adapters; base weights are frozen."""
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=list(target_modules or DEFAULT_TARGETS),
+        target_modules=lora_targets(model, target_modules),
         task_type="CAUSAL_LM",
     )
     with peft_quietly():
