@@ -331,7 +331,10 @@ class StarPOTrainer:
         # π_old is needed only when the policy moves between updates on this batch; values,
         # reference log-probs likewise come from one scoring pass before any update.
         moves = alg.ppo_epochs > 1 or mini < len(samples)
-        scored = self.score(samples, policy=moves or self.uses_kl, values=self.value_head is not None, ref=self.uses_kl)
+        # log π_old: for a policy that moves during the update, or for the in-reward KL; a KL loss alone compares the
+        # training forward's own log-probs with the reference, so it needs only log π_ref here
+        scored = self.score(samples, policy=moves or alg.use_kl_in_reward, values=self.value_head is not None,
+                            ref=self.uses_kl)
         per_episode = {k: to_episodes(v) for k, v in scored.items()}
         token_rewards = batch.turn_rewards if alg.use_turn_rewards else batch.token_rewards
         if alg.use_kl_in_reward:
