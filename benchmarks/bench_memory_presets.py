@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every RL run")
     ap.add_argument("--no-sft", action="store_true")
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--eval-presets", nargs="+", default=None, help="presets evaluated (default: every one run)")
     ap.add_argument("--child", choices=["rl", "sft", "eval"], help=argparse.SUPPRESS)
     ap.add_argument("--child-name", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if preset in SFT_ENVS:
                 print(row("SFT", SFT_ENVS[preset], spawn("sft", SFT_ENVS[preset], args)), flush=True)
     if not args.no_eval:
-        for preset in args.presets:
+        for preset in args.eval_presets or args.presets:
             print(row(f"eval {args.episodes}", preset, spawn("eval", preset, args)), flush=True)
     return 0
 
