@@ -15,8 +15,8 @@ One process, in this order, so every ratio comes from the same run:
    ``auto``), ``--warmup`` untimed then ``--steps`` timed RL steps of ``trainer.rollout`` +
    ``trainer.update``: exactly what ``ragen train bandit`` runs. Two warm-up steps by default: a run's
    first two updates fault in fresh memory (the optimizer's state, the allocator's first large blocks)
-   and are not what the rest of a run does (Zen 5 EPYC, 2026-11-27: updates 1-10 took 4.80, 2.39,
-   then 1.57-1.82 s, with 594 k, 135 k, then 15-40 k page faults; ``docs/performance.md``).
+   and are not what the rest of a run does (on a Zen 5 EPYC the first two took 4.8 and 2.4 s, the rest
+   1.6-1.8 s, with 594 k, 135 k, then 15-40 k page faults).
 3. fp32 peak again.
 4. **Generation** with the trainer's own ``HFBackend`` at each ``--batches`` size: ``B / group_size``
    distinct bandit prompts (the prompts the rollouts above rendered), each ``group_size`` times,

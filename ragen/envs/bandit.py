@@ -179,7 +179,7 @@ class BanditEnv(TextEnv):
             "action_is_effective": True,
             "high_arm": self.action_lookup[self.high_action],
             # 1.0 when the answer named the second-listed arm: a policy that ignores the names and always answers one
-            # position shows up as 0 or 1 here (the high arm's place is random; docs/main_job.md, "Names or position?")
+            # position shows up as 0 or 1 here (the high arm's place is random; docs/main_job.md, "The trap: answering by position")
             ENV_METRIC_PREFIX + "second_listed": float(action == 2),
         }
         return self.render(), float(reward), True, False, info

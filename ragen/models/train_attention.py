@@ -34,8 +34,8 @@ NAME = "ragen_grouped"
 
 #: Largest ``B · H · q · L`` (elements of one layer's probabilities) computed explicitly: 4 MB of fp32. 2**20 since
 #: the packed shared-prompt layout (ragen/train/packed_groups.py), whose main-job calls (4 rows × 9 heads × ~135²)
-#: sit between 2**19 and 2**20: the main job's update 1.13x faster than at 2**19 (``/tmp/mb/ab_maxs.py``, 8
-#: alternated rounds, 2026-11-26); calls of 16 × 9 × 64 × 172 ≈ 1.6 M stay with sdpa (measured no faster here).
+#: sit between 2**19 and 2**20: the main job's update 1.13x faster than at 2**19 (``benchmarks/bench_update.py``,
+#: alternated rounds); calls of 16 × 9 × 64 × 172 ≈ 1.6 M stay with sdpa (measured no faster here).
 MAX_SCORES = 2**20
 
 

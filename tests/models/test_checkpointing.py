@@ -1,6 +1,6 @@
 """Activation checkpointing keeps less for the backward pass and gives the plain path's numbers.
 
-Issue 7's rule (speed/memory levers never change results silently): log-probs and gradients with
+The rule for speed and memory levers (they never change results silently): log-probs and gradients with
 ``trainer.gradient_checkpointing`` equal the plain pass's, for a full model and under LoRA, in the
 RL update and in SFT; it really checkpoints (the saved-tensor total falls, and both trainers' models
 carry the flag), so these equalities are not comparing the plain path with itself; and frozen bottom

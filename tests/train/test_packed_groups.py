@@ -1,6 +1,6 @@
 """The packed shared-prompt layout (one decoder row per group under a block mask) gives the plain pass's numbers.
 
-Issue 7's rule: speed never changes results. ``decoder_hidden`` with ``layout="packed"`` must match the plain
+Speed never changes results. ``decoder_hidden`` with ``layout="packed"`` must match the plain
 pass (every row on its own) and the split layout in log-probs, entropy and every parameter's gradient; ``"auto"``
 must really take the layout it picks.
 """

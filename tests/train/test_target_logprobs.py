@@ -103,7 +103,7 @@ def test_extreme_logits_stay_finite():
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_policy_forward_gives_the_autograd_paths_logprobs_loss_and_gradients(tiny, autocast):
-    """Issue 7's rule on the tiny model: the optimised path (target_logprobs) against autograd's log-softmax."""
+    """Speed never changes results, on the tiny model: the optimised path (target_logprobs) against autograd's log-softmax."""
     model, _ = tiny
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (4, 20), generator=g)  # (B, L)

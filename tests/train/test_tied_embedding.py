@@ -1,6 +1,6 @@
 """The tied embedding / LM-head weight's gradient in kept memory (ragen/train/tied_embedding.py) gives autograd's gradients.
 
-Issue 7's rule: speed never changes results. Every parameter's gradient over two accumulated
+Speed never changes results. Every parameter's gradient over two accumulated
 micro-batches is compared with autograd's path (``policy_forward(..., tied_weight=False)``) in fp32
 and under bf16 autocast, for the plain pass and both shared-prompt layouts, with a padding token
 inside the rows (``nn.Embedding`` gives its row no lookup gradient).
