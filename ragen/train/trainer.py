@@ -442,7 +442,7 @@ class StarPOTrainer:
         ev_sums = ExplainedVarianceSums()
         # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);
         # a rank out of rows repeats the batch's first row with weight 0.
-        count = max(len(self.local_micro_batches(batch, r)[1]) for r in range(self.world)) if self.fsdp else len(passes)
+        count = max(len(self.local_micro_batches(batch, r)[1]) for r in range(rank_world()[1])) if self.fsdp else len(passes)
         for i in range(count):
             padding = i >= len(passes)
             source, source_targets = (batch, targets) if padding else (local, local_targets)
@@ -539,7 +539,7 @@ class StarPOTrainer:
     def local_micro_batches(self, batch: TrainBatch, rank: int) -> tuple[torch.Tensor, list[range]]:
         """Rank ``rank``'s rows of an update mini-batch (whole groups, longest first) and its micro-batches over them.
         Every rank can compute every rank's: all hold the whole mini-batch and shard it the same way."""
-        mine = shard(len(batch), rank, self.world)
+        mine = shard(len(batch), rank, rank_world()[1])
         rows = group_contiguous(torch.arange(mine.start, mine.stop), batch.group_ids, batch.attention_mask.sum(1))
         alg = self.config.algorithm
         lengths = batch.attention_mask.sum(1)[rows].tolist()

@@ -55,7 +55,7 @@ def test_the_in_reward_kl_uses_its_own_estimator_and_gigpo_its_own_gamma(monkeyp
     monkeypatch.setattr(trainer_module, "kl_penalty", spy_kl)
     monkeypatch.setattr(trainer_module, "collate", spy_collate)
     assert main(["train", "bandit", f"trainer.output_dir={tmp_path}", *SMALL, "algorithm.use_kl_in_reward=true",
-                 "algorithm.kl_type=k3", "algorithm.adv_estimator=gigpo", "algorithm.gigpo_gamma=0.7"]) == 0
+                 "algorithm.kl_type=k3", "algorithm.use_kl_loss=false", "algorithm.adv_estimator=gigpo", "algorithm.gigpo_gamma=0.7"]) == 0
     assert kl_types == ["k1"]  # the in-reward penalty, once per step: not the loss's k3
     assert step_gammas == [0.7]
     assert batch_module.collate is real_collate

@@ -138,12 +138,13 @@ def test_the_fix_the_error_names_works_and_keeps_the_preset_tags_other_settings(
 def test_env_settings_a_file_loses_to_es_train_are_noted_and_the_run_goes_on(capsys, tmp_path):
     from ragen.config import lost_env_settings, to_yaml
 
-    # The main job's preset sets env.config.own_payoff_draw; the command line's es.train trains on
-    # the Bandit tag, which does not set it: the setting is lost, and said so.
+    # The main job's preset sets env.config.arm_order and own_payoff_draw; the command line's es.train trains on
+    # the Bandit tag, which keeps its own arm order and does not set the draw: both are lost, and said so.
     config = load_config("bandit", [MIXED])
-    assert lost_env_settings(config) == ["env.config.own_payoff_draw"]
-    # Nothing is lost when the tag sets the same value, nor with the presets' own defaults.
-    assert lost_env_settings(load_config("bandit", [MIXED, "es.tags.Bandit.config.own_payoff_draw=true"])) == []
+    assert lost_env_settings(config) == ["env.config.own_payoff_draw", "env.config.arm_order"]
+    # Nothing is lost when the tag sets the same values, nor with the presets' own defaults.
+    assert lost_env_settings(load_config("bandit", [MIXED, "es.tags.Bandit.config.own_payoff_draw=true",
+                                                    "es.tags.Bandit.config.arm_order=group_balanced"])) == []
     assert lost_env_settings(load_config("sokoban", ["es.train=[{tag: SimpleSokoban, groups: 4}]"])) == []  # its 4 groups
     assert lost_env_settings(load_config("frozen_lake", ["es.train=[{tag: SlipperyFrozenLake, groups: 1}]"])) == []
     assert lost_env_settings(load_config("bandit")) == []  # no es.train: env is the training env
@@ -160,7 +161,7 @@ def test_env_settings_a_file_loses_to_es_train_are_noted_and_the_run_goes_on(cap
     (run / "config.yaml").write_text(to_yaml(config))
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("ragen: note: env.config.own_payoff_draw not used: es.train is set")
+    assert err[0].startswith("ragen: note: env.config.own_payoff_draw, env.config.arm_order not used: es.train is set")
     assert "no valid checkpoint" in err[1] and len(err) == 2
 
 

@@ -91,7 +91,7 @@ def test_a_run_stopped_on_collapse_ends_with_a_validation_like_any_finished_run(
     import ragen.train.trainer as trainer_module
     from ragen.eval.collapse import CollapseMonitor
 
-    monkeypatch.setattr(trainer_module, "CollapseMonitor", lambda: CollapseMonitor(entropy_floor=1e9, std_floor=1e9))
+    monkeypatch.setattr(trainer_module, "CollapseMonitor", lambda **kw: CollapseMonitor(entropy_floor=1e9, std_floor=1e9, **kw))
     args = [a for a in ARGS if not a.startswith("trainer.val_freq")] + ["trainer.stop_on_collapse=true",
                                                                         "trainer.total_steps=6"]
     for val_freq in (0, 3):  # stops at step 3: without a validation there, and with one

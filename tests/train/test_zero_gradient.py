@@ -11,7 +11,8 @@ from ragen.train.trainer import StarPOTrainer
 from tests.train.trajectories import shared_prompt_trajectories
 
 BASE = ["model=tiny", "trainer.val_episodes=1", "optim.lr=1e-3", "optim.weight_decay=0.01",
-        "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=3", "algorithm.micro_batch_size=2"]
+        "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=3", "algorithm.micro_batch_size=2",
+        "algorithm.use_kl_loss=false"]  # a KL loss has a gradient of its own
 
 
 def uniform_rewards(trajs, per_group=(1.0, 0.0)):
