@@ -214,7 +214,7 @@ class HFBackend:
             # Every episode still playing is in this call, so an entry no prompt took belongs to an
             # episode that ended (or whose prompts do not extend each other): it is dead.
             self.prefix_cache.clear()
-        # Once the budget has refused rows' caches in this session, rows resuming a cache (a few new
+        # Once the budget has refused rows' caches in this rollout, rows resuming a cache (a few new
         # tokens) and rows without one (a whole history) are batched apart: in one batch every row
         # would run the longest new block through the model. Until then rows keep their order, so
         # the batches (and a sampled run's random draws) are those of reuse_kv=false.

@@ -654,7 +654,7 @@ class FusedDecoder:
         return native.ops() if self.native and dtype == torch.bfloat16 else None
 
     def clear(self) -> None:
-        """Drop the weights and the prefix pages (the staging buffer stays: the next session's casts reuse its pages)."""
+        """Drop the weights and the prefix pages (the staging buffer stays: the next rollout's casts reuse its pages)."""
         self.weights = None
         self.prefix_pages = []
 
