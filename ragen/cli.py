@@ -264,7 +264,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         seeds = parse_seeds(args.seeds)
         load_config(args.preset, [*args.overrides, "seed=0"])  # a bad key fails here, not once per seed
         results = sweep(args.preset, seeds, Path(args.out), list(args.overrides))
-    except (ConfigError, ValueError, FileExistsError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:  # FileExistsError included: an unfinished run in the way
         return _fail(str(exc))
     if not results:
         return _fail("no seed's run finished")
