@@ -68,7 +68,7 @@ def rank_job(args) -> None:
     ])
     trainer = StarPOTrainer(config)
     trainer.train()
-    params = list(trainer.trainable_parameters())
+    params = list(trainer.actor.trainable_parameters())
     moments = [v for p in params for k, v in trainer.optimizer.state.get(p, {}).items() if k != "step"]
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
     row = {

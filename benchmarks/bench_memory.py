@@ -177,7 +177,7 @@ def run_child(args) -> dict:
         config = load_config(args.preset, overrides)
         trainer = StarPOTrainer(config)
         n = sum(p.numel() for p in trainer.model.parameters())
-        trainable = sum(p.numel() for p in trainer.trainable_parameters())
+        trainable = sum(p.numel() for p in trainer.actor.trainable_parameters())
         head = base_model(trainer.model).get_output_embeddings()
         rec.end("build StarPOTrainer (load model, LoRA, AdamW, backend)")
         touch(trainer.model)

@@ -54,7 +54,7 @@ def child_rl(preset: str, steps: int, model: str, threads: int, extra: list[str]
                                       f"trainer.num_threads={threads}", "trainer.device=cpu", *extra])
         trainer = StarPOTrainer(config)
         params = sum(p.numel() for p in trainer.model.parameters())
-        trainable = sum(p.numel() for p in trainer.trainable_parameters())
+        trainable = sum(p.numel() for p in trainer.actor.trainable_parameters())
         rss = []
         for step in range(1, steps + 1):
             trainer.update(trainer.rollout(step))

@@ -11,7 +11,7 @@ One real rollout gives the batch: at ``--shape trl`` (default) ``bench_vs_trl.py
 most 16 tokens, micro-batches of 16). Its rewards are then set to ``i % 3`` so that advantages are
 non-zero and every update runs a backward pass. The same trainer then updates on that batch with
 two arms, alternated (A B B A ...) for ``--rounds`` rounds after one warm-up round, in
-``--precision`` (default ``auto``: bf16 where the CPU has it; fp32 until this stop):
+``--precision`` (default ``auto``: bf16 where the CPU has it; fp32 on a CPU without native bf16):
 
 ``plain``
     What the update did before the levers: torch's for-loop AdamW (``foreach=False``, the CPU
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import ragen.train.logprobs as logprobs_module
+    import ragen.train.actor_update as update_module
     import ragen.train.trainer as trainer_module
     from ragen.config import load_config
     from ragen.models import SamplingParams
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(t.input_ids) for t in trajectories)
     print(f"batch: {len(trajectories)} episodes, {tokens} tokens, {sum(t.response_length for t in trajectories)} response tokens")
 
-    shipped_forward = trainer_module.policy_forward
+    shipped_forward = update_module.policy_forward
     shipped_attention = logprobs_module.train_attention_for
     sdpa_only = lambda model, enabled=True: shipped_attention(model, enabled=False)  # noqa: E731
 
@@ -120,18 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare == "levers":
         # arm -> (optimizer, policy_forward, attention switch)
         arms = {
-            "plain": (torch.optim.AdamW(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+            "plain": (torch.optim.AdamW(trainer.actor.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
                                         weight_decay=o.weight_decay, foreach=False), entropy_in_graph, sdpa_only),
-            "levers": (trainer.optimizer, shipped_forward, shipped_attention),
+            "levers": (trainer.actor.optimizer, shipped_forward, shipped_attention),
         }
-        assert trainer.optimizer.param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
+        assert trainer.actor.optimizer.param_groups[0]["fused"], "the shipped optimizer is expected to be fused here"
     else:
         # the trainer passes the layout its ranks agreed on: this arm overrides it
         split_forward = lambda *a, **kw: shipped_forward(*a, **{**kw, "prompt_layout": "split"})  # noqa: E731
         arms = {
-            "split": (adamw(trainer.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay),
+            "split": (adamw(trainer.actor.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay),
                       split_forward, shipped_attention),
-            "auto": (trainer.optimizer, shipped_forward, shipped_attention),
+            "auto": (trainer.actor.optimizer, shipped_forward, shipped_attention),
         }
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     contention = Contention()
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(args.rounds + 1):
             for arm in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
-                trainer.optimizer, trainer_module.policy_forward, logprobs_module.train_attention_for = arms[arm]
+                trainer.actor.optimizer, update_module.policy_forward, logprobs_module.train_attention_for = arms[arm]
                 layouts.update(packed=0, split=0)
                 start = time.perf_counter()
                 metrics = trainer.update(trajectories)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} {arm}: update {took:.2f} s; auto layout chose "
                       f"packed {layouts['packed']}, split {layouts['split']} times", flush=True)
     finally:
-        trainer_module.policy_forward = shipped_forward
+        update_module.policy_forward = shipped_forward
         logprobs_module.train_attention_for = shipped_attention
         logprobs_module.packed_is_cheaper = shipped_cheaper
     if args.compare == "layout":

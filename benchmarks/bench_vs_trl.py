@@ -104,8 +104,8 @@ def run_ragen(args, out_dir: Path) -> dict:
         print("  [ragen] update: backward skipped where every advantage is 0 (as shipped)", flush=True)
     else:
         # The same work as TRL's: at this shape every reward is the format penalty, so every advantage is 0 and ragen
-        # would skip the backward pass (exactly zero gradients, ragen/train/trainer.py gradient_is_zero), which TRL runs.
-        trainer.gradient_is_zero = lambda advantages: False
+        # would skip the backward pass (exactly zero gradients, ragen/train/actor_update.py gradient_is_zero), which TRL runs.
+        trainer.actor.gradient_is_zero = lambda advantages: False
         print("  [ragen] update: full forward + backward always (as TRL)", flush=True)
 
     steps, prompts = [], []

@@ -46,11 +46,11 @@ def main() -> None:
     for t in trajectories:  # every group's rewards equal: GRPO advantages exactly 0
         for turn in t.turns:
             turn.env_reward, turn.format_penalty, turn.think_reward, turn.prediction_reward = float(t.group_id % 2), 0.0, 0.0, 0.0
-    shipped = trainer.gradient_is_zero
+    shipped = trainer.actor.gradient_is_zero
     times: dict[str, list[float]] = {"backward skipped": [], "full pass": []}
     for _ in range(args.repeats):
         for name, rule in (("backward skipped", shipped), ("full pass", lambda advantages: False)):
-            trainer.gradient_is_zero = rule
+            trainer.actor.gradient_is_zero = rule
             start = time.perf_counter()
             metrics = trainer.update(trajectories)
             times[name].append(time.perf_counter() - start)

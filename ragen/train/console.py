@@ -1,12 +1,17 @@
-"""The training loop's console and process plumbing: seeding, the validation line, the progress bar and Ctrl-C."""
+"""The training loop's console and process plumbing: seeding, the validation line, the progress bar, rollout
+problems and Ctrl-C."""
 
 from __future__ import annotations
 
 import random
 import signal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ragen.agent import Trajectory
 
 
 def seed_everything(seed: int) -> None:
@@ -53,3 +58,15 @@ class GracefulInterrupt:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+def report_rollout_problems(step: int, trajectories: "list[Trajectory]", say) -> None:
+    """One line each for episodes that ended in an env error or at the model's context: the run goes on (those
+    episodes train on nothing), the user is told why."""
+    failed = [t for t in trajectories if t.error]
+    if failed:
+        say(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
+            f"(first: {failed[0].error.splitlines()[0]})")
+    full = [t for t in trajectories if t.context_full]
+    if full:
+        say(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
+            f"context (first: {full[0].context_full})")

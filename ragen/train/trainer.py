@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import contextlib
 import copy
 from dataclasses import asdict
 from datetime import datetime
@@ -18,38 +17,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragen.agent import AgentSettings, Rollout, Trajectory
-from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_estimator, get_policy_loss, masked_mean
-from ragen.algos.losses import kl_penalty, value_loss
+from ragen.agent import AgentConfig, Rollout, Trajectory
+from ragen.algos import get_adv_estimator, get_policy_loss
 from ragen.config import RunConfig, to_yaml
 from ragen.envs.registry import habit_metric_names
 from ragen.eval.collapse import CollapseMonitor, collapse_signals
 from ragen.eval.metrics import format_tag_table, tag_metrics
-from ragen.files import atomic_open, strict_dumps, write_text_atomic
+from ragen.files import strict_dumps, write_text_atomic
 from ragen.engines import SamplingParams, build_engine
-from ragen.models import HFBackend, apply_lora, autocast, load_model
+from ragen.models import HFBackend, apply_lora, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
 from ragen.models.freeze import train_top_layers
 from ragen.runtime import keep_freed_memory
-from ragen.train import micro_batches
+from ragen.train.actor_update import ActorUpdate
 from ragen.train.checkpoint_choice import CheckpointingChoice
-from ragen.train.batch import TrainBatch, collate, collate_turns
-from ragen.train.distributed import (all_ranks, all_reduce_grads, barrier, broadcast_object, init_distributed,
-                                     rank_world, reduce_metrics, shard)
-from ragen.train.fsdp import clip_grad_norm_, shard_layers, sync_replica
+from ragen.train.distributed import barrier, broadcast_object, init_distributed
+from ragen.train.fsdp import shard_layers, sync_replica
 from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics, restore_latest, save_checkpoint,
                                     truncate_metrics)
 from ragen.train.env_sets import Slots, train_sets, val_sets
-from ragen.train.console import GracefulInterrupt, fmt, progress, seed_everything
+from ragen.train.console import GracefulInterrupt, fmt, progress, report_rollout_problems, seed_everything
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.memory_guard import RL_KEYS, MemoryGuard
-from ragen.train.logprobs import ValueHead, policy_forward, shared_prompt_layout
-from ragen.train.optimizer import adamw, step_if_finite
-from ragen.train.per_tag import per_tag_advantages, per_tag_filter
-from ragen.train.update_targets import (EV_PREFIX, LOSS_METRICS, ExplainedVarianceSums, UpdateTargets,
-                                        group_contiguous)
+from ragen.train.logprobs import ValueHead
 from ragen.train.preflight import run_dir_problem
+from ragen.train.rollout_log import write_rollout_log
 
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
 CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
@@ -83,14 +76,13 @@ class StarPOTrainer:
         self.train_sets, self.val_sets = train_sets(config), val_sets(config)
         self.train_slots = Slots.build(self.train_sets, config.rollout.group_size)  # group_size envs per group
         self.val_slots = Slots.build(self.val_sets, 1)  # one env per validation episode
-        self.adv_estimator = get_adv_estimator(config.algorithm.adv_estimator)
-        self.policy_loss = get_policy_loss(config.algorithm.policy_loss)
+        get_adv_estimator(config.algorithm.adv_estimator), get_policy_loss(config.algorithm.policy_loss)  # known names
         if config.rollout.backend == "ray":  # a missing Ray fails before the model loads, too
             from ragen.train.ray_rollout import RayRolloutPool
 
             RayRolloutPool.check(config)
 
-        # -- model, optional LoRA, optimizer (on trainer.device: cuda:LOCAL_RANK or cpu) --
+        # -- model, optional LoRA, critic head (on trainer.device: cuda:LOCAL_RANK or cpu) --
         self.device = resolve_device(config.trainer.device)
         self.model, self.tokenizer = load_model(config.model, seed=config.seed)
         self.model.to(self.device)
@@ -124,24 +116,19 @@ class StarPOTrainer:
             shard_layers(self.model, self.device)
             if self.ref_model is not None:
                 shard_layers(self.ref_model, self.device)
-        self.last_advantages: tuple[list[Trajectory], torch.Tensor] | None = None
         self.collapse_monitor = CollapseMonitor(habit_metrics=habit_metric_names())
         self.memory_guard = MemoryGuard(RL_KEYS, self.say)  # warns once if the first steps near the machine's memory
-        self.optimizer = adamw(
-            self.trainable_parameters(), lr=config.optim.lr, betas=tuple(config.optim.betas),
-            weight_decay=config.optim.weight_decay, fused=config.optim.fused,
-        )
-        warmup = config.optim.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
 
         # -- rollout --------------------------------------------------------------------
         if self.is_main:  # only rank 0 rolls out (rollout.engine: hf or vllm; ragen/engines/)
             self.backend = build_engine(self.rollout_model, self.tokenizer, config, say=self.say)
         else:  # ranks other than 0 never generate: under FSDP they hold no replica, and need only pad_id
             self.backend = HFBackend.from_config(self.model, self.tokenizer, config)
-        agent = AgentSettings(**asdict(config.agent))
+        # -- update: the policy's optimizer and the StarPO update stage (ragen/train/actor_update.py) ---------------
+        self.actor = ActorUpdate(config, self.model, self.ref_model, self.value_head, self.backend.pad_id, self.device,
+                                 self.fsdp, self.checkpointing)
+        self.optimizer, self.scheduler = self.actor.optimizer, self.actor.scheduler  # what checkpoints save
+        agent = AgentConfig(**asdict(config.agent))
         stop = ("</answer>",)
         r = config.rollout
         self.train_rollout = Rollout(
@@ -189,8 +176,59 @@ class StarPOTrainer:
             self.close_rollout_pool()
 
     def _train(self, interrupt: "GracefulInterrupt") -> dict:
+        """The StarPO loop, one training step per iteration: rollout → update (filter, score, advantages, epochs) →
+        validate when due → log → watch for collapse → save."""
+        cfg, start = self.config, time.perf_counter()
+        summary = self.opening_summary()
+        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
+        say = bar.write if self.is_main else (lambda line: None)  # under torchrun one console line, not one per rank
+        for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
+            t0 = time.perf_counter()
+            # -- StarPO rollout stage: every group plays from its own seed (rank 0), the same batch on every rank ----
+            trajectories = broadcast_object(self.rollout(step) if self.is_main else None)
+            t1 = time.perf_counter()
+            report_rollout_problems(step, trajectories, say)
+            # -- StarPO update stage: advantages over whole trajectories, clipped PG ------------------------------
+            metrics = self.update(trajectories)
+            t2 = time.perf_counter()
+            metrics.update(tag_metrics(trajectories, "train"))
+            metrics.update(collapse_signals(trajectories))
+            metrics.update({"step": step, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0})
+            if self.validation_due(step):
+                val = self.validate(step)
+                metrics.update(val)
+                if step == cfg.trainer.total_steps:
+                    summary["val_after"] = val  # reported once the run is written up
+                else:
+                    self.report_validation(f"at step {step}", val, write=say)
+            self.log(metrics)
+            stop = self.watch(step, metrics, say)
+            interrupt.requested, stop = broadcast_object((interrupt.requested, stop))  # ranks leave the loop together
+            if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
+                self.save_rollouts(step, trajectories)
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested or stop:
+                self.save_checkpoint(step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}",
+                            success=f"{metrics.get('train/success', float('nan')):.2f}")
+            if interrupt.requested:
+                bar.close()
+                interrupt.restore()
+                return self.interrupted_summary(summary, step, start)
+            if stop:
+                say(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
+                summary.update(stopped_on_collapse_at_step=step, val_after=self.last_validation(step, metrics))
+                break
+        interrupt.restore()
+        bar.close()
+        return self.closing_summary(summary, start)
+
+    # ================================ the loop's parts ================================
+
+    def opening_summary(self) -> dict:
+        """The run summary as the loop starts: the validation before training (run now), or for a resumed run what
+        its log already holds; a resumed run with no step left keeps its last validation as its end."""
         cfg = self.config
-        start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir)}
         if cfg.trainer.val_before_train and self.start_step == 0:
             val = self.validate()
@@ -211,75 +249,48 @@ class StarPOTrainer:
                 if self.is_main:
                     print(f"[ragen] the run is at step {self.start_step} of trainer.total_steps={cfg.trainer.total_steps}: "
                           "no step left to run (raise trainer.total_steps to continue it)", flush=True)
+        return summary
 
-        bar = progress(cfg.trainer.total_steps, enabled=cfg.trainer.progress_bar and self.is_main, initial=self.start_step)
-        say = bar.write if self.is_main else (lambda line: None)  # under torchrun one console line, not one per rank
-        for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
-            t0 = time.perf_counter()
-            # -- StarPO rollout stage: every group plays from its own seed ---------------
-            trajectories = broadcast_object(self.rollout(step) if self.is_main else None)  # identical batch on every rank
-            t1 = time.perf_counter()
-            failed = [t for t in trajectories if t.error]
-            if failed:  # the run goes on (those episodes train on nothing); the user is told why
-                say(f"[ragen] step {step}: {len(failed)} of {len(trajectories)} episodes ended with an env error "
-                    f"(first: {failed[0].error.splitlines()[0]})")
-            full = [t for t in trajectories if t.context_full]
-            if full:
-                say(f"[ragen] step {step}: {len(full)} of {len(trajectories)} episodes ended early at the model's "
-                    f"context (first: {full[0].context_full})")
-            # -- StarPO update stage: advantages over whole trajectories, clipped PG ------
-            metrics = self.update(trajectories)
-            t2 = time.perf_counter()
-            metrics.update(tag_metrics(trajectories, "train"))
-            metrics.update(collapse_signals(trajectories))
-            metrics.update({"step": step, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0})
-            if cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0 and step != cfg.trainer.total_steps:
-                val = self.validate(step)
-                metrics.update(val)
-                self.report_validation(f"at step {step}", val, write=say)
-            if step == cfg.trainer.total_steps:
-                val = self.validate(step)
-                summary["val_after"] = val
-                metrics.update(val)
-            self.log(metrics)
-            if metrics.get("actor/nonfinite_grad_skipped"):
-                say(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
-                    f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
-            self.memory_guard.after_step(step)
-            for warning in self.collapse_monitor.check(metrics):
-                say(f"[ragen] collapse warning at step {step}: {warning}")
-            stop = cfg.trainer.stop_on_collapse and self.collapse_monitor.collapsed
-            interrupt.requested, stop = broadcast_object((interrupt.requested, stop))  # ranks leave the loop together
-            if cfg.trainer.log_rollouts_freq and step % cfg.trainer.log_rollouts_freq == 0:
-                self.save_rollouts(step, trajectories)
-            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or interrupt.requested or stop:
-                self.save_checkpoint(step)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", success=f"{metrics.get('train/success', float('nan')):.2f}")
-            if interrupt.requested:
-                bar.close()
-                interrupt.restore()
-                if self.is_main:
-                    print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
-                          f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
-                          f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
-                summary["interrupted_at_step"] = step
-                if self.is_main:  # what the run did so far; final/ and the last validation come with a finishing resume
-                    summary["wall_time_s"] = time.perf_counter() - start
-                    write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
-                return summary
-            if stop:
-                say(f"[ragen] stopping at step {step}: collapse confirmed (trainer.stop_on_collapse)")
-                summary["stopped_on_collapse_at_step"] = step
-                # the run ends here: its last validation is this step's, run now if the step had none (same line)
-                after = {k: v for k, v in metrics.items() if k.startswith("val/")}
-                if not after:
-                    after = self.validate(step)
-                    self.log({"step": step, **after})
-                summary["val_after"] = after
-                break
-        interrupt.restore()
-        bar.close()
+    def validation_due(self, step: int) -> bool:
+        """Every ``trainer.val_freq`` steps, and always after the last one."""
+        t = self.config.trainer
+        return step == t.total_steps or bool(t.val_freq and step % t.val_freq == 0)
+
+    def watch(self, step: int, metrics: dict, say) -> bool:
+        """After a step: skipped optimizer steps, memory and collapse warnings; True if the run should stop on a
+        confirmed collapse (``trainer.stop_on_collapse``)."""
+        if metrics.get("actor/nonfinite_grad_skipped"):
+            say(f"[ragen] step {step}: the gradient norm was {metrics['actor/grad_norm']:g}; "
+                f"{metrics['actor/nonfinite_grad_skipped']:.0%} of its optimizer steps were skipped, weights kept")
+        self.memory_guard.after_step(step)
+        for warning in self.collapse_monitor.check(metrics):
+            say(f"[ragen] collapse warning at step {step}: {warning}")
+        return self.config.trainer.stop_on_collapse and self.collapse_monitor.collapsed
+
+    def last_validation(self, step: int, metrics: dict) -> dict:
+        """The validation of the step a run ends on: the step's own, else one run now (logged on the same line)."""
+        after = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        if not after:
+            after = self.validate(step)
+            self.log({"step": step, **after})
+        return after
+
+    def interrupted_summary(self, summary: dict, step: int, start: float) -> dict:
+        """Ctrl-C: the checkpoint of ``step`` is saved; say how to continue, write what the run did so far (final/ and
+        the last validation come with a finishing resume)."""
+        summary["interrupted_at_step"] = step
+        if self.is_main:
+            print(f"\n[ragen] interrupted: checkpoint of step {step} saved; continue with "
+                  f"`ragen train --resume {self.run_dir}` (or finish at this step, writing final/ and the "
+                  f"summary: `ragen train --resume {self.run_dir} trainer.total_steps={step}`)", flush=True)
+            summary["wall_time_s"] = time.perf_counter() - start
+            write_text_atomic(self.run_dir / "summary.json", strict_dumps(summary, indent=2))
+        return summary
+
+    def closing_summary(self, summary: dict, start: float) -> dict:
+        """The end of a run: close the loggers and workers; rank 0 saves final/, draws the curves, reports the last
+        validation and writes ``summary.json``."""
+        cfg = self.config
         if cfg.trainer.total_steps == 0 and not cfg.trainer.val_before_train:  # on the pool, as every validation
             summary["val_after"] = self.validate(self.start_step)
         self.close_loggers()
@@ -310,69 +321,9 @@ class StarPOTrainer:
         return self.train_rollout.run(slots.envs, seeds, group_ids, slots.env_names, settings=slots.settings, tags=slots.tags)
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Filter → score → advantages → ``ppo_epochs`` passes of clipped-PG mini-batch steps."""
-        alg = self.config.algorithm
-        self.last_advantages = None  # this step's, once computed: a skipped update logs every episode as left out
-        usable = [t for t in trajectories if not t.error and t.response_length > 0]
-        if not usable:
-            return {"actor/skipped_update": 1.0}
-        usable, metrics = self.uncertainty_filter(usable)
-        if not usable:  # filter_mode=top_p_ragen keeps no group when none has reward spread
-            return {**metrics, "actor/skipped_update": 1.0}
-        batch = collate(usable, self.backend.pad_id, step_gamma=alg.gigpo_gamma)  # one row per episode: advantages live here
-        # What the policy trains on: the episodes themselves, or (context_mode=window) one row per turn.
-        if self.config.agent.context_mode == "window":
-            samples, turn_index = collate_turns(usable, self.backend.pad_id)
-            to_samples = lambda x: turn_index.to_turns(x, samples.response_mask.shape)  # noqa: E731
-            to_episodes = lambda x: turn_index.to_episodes(x, batch.response_mask.shape)  # noqa: E731
-        else:
-            samples, to_samples, to_episodes = batch, (lambda x: x), (lambda x: x)
-        mini = alg.mini_batch_size or len(samples)
-        # π_old is needed only when the policy moves between updates on this batch; values,
-        # reference log-probs likewise come from one scoring pass before any update.
-        moves = alg.ppo_epochs > 1 or mini < len(samples)
-        # log π_old: for a policy that moves during the update, or for the in-reward KL; a KL loss alone compares the
-        # training forward's own log-probs with the reference, so it needs only log π_ref here
-        scored = self.score(samples, policy=moves or alg.use_kl_in_reward, values=self.value_head is not None,
-                            ref=self.uses_kl)
-        per_episode = {k: to_episodes(v) for k, v in scored.items()}
-        token_rewards = batch.turn_rewards if alg.use_turn_rewards else batch.token_rewards
-        if alg.use_kl_in_reward:
-            kl = kl_penalty(per_episode["logprobs"], per_episode["ref_logprobs"], alg.kl_in_reward_type) * batch.response_mask
-            token_rewards = token_rewards - alg.kl_coef * kl
-            metrics["actor/kl_in_reward"] = float(masked_mean(kl, batch.response_mask))
-        adv = per_tag_advantages(  # never across tags: see ragen/train/per_tag.py
-            self.adv_estimator,
-            AdvantageInputs(
-                token_rewards=token_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
-                values=per_episode.get("values"), turn_ends=batch.turn_ends, gamma=alg.gamma, lam=alg.lam,
-                high_level_gamma=alg.high_level_gamma, norm_adv_by_std=alg.norm_adv_by_std,
-                anchor_ids=batch.anchor_ids, step_returns=batch.step_returns, gigpo_step_weight=alg.gigpo_step_weight,
-            ),
-            [t.tag or t.env_name for t in usable],
-        )
-        self.last_advantages = (usable, adv.advantages)
-        targets = UpdateTargets(
-            advantages=to_samples(adv.advantages), returns=to_samples(adv.returns),
-            old_logprobs=scored.get("logprobs") if moves else None,
-            old_values=scored.get("values"), ref_logprobs=scored.get("ref_logprobs"),
-        )
-        self.checkpointing.before_update(int(samples.attention_mask.sum(1).max()))
-        self.model.train()
-        zero_gradient = self.gradient_is_zero(targets.advantages)  # the same on every rank: advantages are global
-        history: list[dict[str, float]] = []
-        for _ in range(alg.ppo_epochs):
-            order = broadcast_object(torch.randperm(len(samples)))  # rank 0's draw: the same mini-batches on every rank
-            for start in range(0, len(samples), mini):
-                index = group_contiguous(order[start : start + mini], samples.group_ids)
-                history.append(self.optimizer_step(samples.select(index), targets.select(index), zero_gradient=zero_gradient))
-        # per optimizer step, averaged; the explained variance from the steps' pooled sums (exact over the update)
-        ev_sums = {k: sum(h.pop(k) for h in history) for k in list(history[0]) if k.startswith(EV_PREFIX)}
-        metrics.update({k: float(np.mean([h[k] for h in history])) for k in history[0]})
-        if self.value_head is not None:
-            metrics["critic/explained_variance"] = ExplainedVarianceSums.from_metrics(ev_sums)
-        metrics["actor/backward_skipped"] = float(zero_gradient)
-        metrics.update(adv.metrics)
+        """The StarPO update stage on one step's episodes (:class:`ragen.train.actor_update.ActorUpdate`), then the
+        rollout engine's weights brought up to date."""
+        metrics = self.actor.update(trajectories)
         t_sync = time.perf_counter()
         if self.sync_rollout_weights():
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
@@ -395,156 +346,6 @@ class StarPOTrainer:
             sync((n, p.detach()) for n, p in trained)
         return True
 
-    def uncertainty_filter(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
-        """StarPO-S: train only on the groups whose rewards vary most (``algorithm.filter_ratio``), within each tag."""
-        alg = self.config.algorithm
-        if alg.filter_ratio >= 1:
-            return trajectories, {}
-        scores = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)  # ranked in fp64 (filtering.py)
-        groups = torch.tensor([t.group_id for t in trajectories])
-        tags = [t.tag or t.env_name for t in trajectories]
-        keep, metrics = per_tag_filter(scores, groups, tags, keep_ratio=alg.filter_ratio, mode=alg.filter_mode)
-        return [t for t, k in zip(trajectories, keep.tolist()) if k], metrics
-
-    def gradient_is_zero(self, advantages: torch.Tensor) -> bool:
-        """True when the update's loss has an exactly zero gradient, whatever the policy's log-probs.
-
-        The clipped PG loss is linear in the advantage at every token (``-A·r`` or ``-A·clip(r)``),
-        so ``A = 0`` everywhere -- e.g. every group's rewards equal under GRPO, as after an SFT
-        that already solves the task -- makes it 0 with gradient 0, unless an entropy bonus, a
-        KL loss or a critic adds a term of its own. Such a step still calls AdamW (on zero
-        gradients: its moments decay and weight decay applies, exactly as after a backward pass
-        that returned zeros) but skips the backward pass.
-        """
-        alg = self.config.algorithm
-        if alg.policy_loss != "clipped" or alg.entropy_coeff != 0 or alg.use_kl_loss or self.value_head is not None:
-            return False  # a registered loss of the user's own need not vanish with A
-        return not bool(advantages.any())
-
-    def optimizer_step(self, batch: TrainBatch, targets: "UpdateTargets", zero_gradient: bool = False) -> dict[str, float]:
-        """One optimizer step on ``batch`` with gradient accumulation over micro-batches.
-
-        Each micro-batch's aggregated loss is weighted by its share of the mini-batch's
-        tokens (token-mean) or sequences (seq-mean-*), so accumulation equals one big pass.
-        Under torchrun each rank runs only its slice of ``batch`` with the same global
-        denominators, and gradients/metrics are summed over ranks (``ragen/train/distributed.py``).
-        ``zero_gradient`` (see :meth:`gradient_is_zero`): forward passes without autograd for the
-        metrics, no backward, and AdamW steps on gradients set to exact zeros.
-        """
-        alg = self.config.algorithm
-        self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = batch.response_mask.sum().clamp(min=1)  # global: every rank holds the whole mini-batch
-        # this rank's rows (a random slice: the mini-batch is shuffled), whole groups longest-first
-        # within it, cut into micro-batches by row count and token budget (ragen/train/micro_batches.py)
-        local_rows, passes = self.local_micro_batches(batch, rank_world()[0])
-        local, local_targets = batch.select(local_rows), targets.select(local_rows)
-        sums: dict[str, float] = {}
-        ev_sums = ExplainedVarianceSums()
-        # FSDP: every rank runs as many passes as the busiest one (each pass is a collective);
-        # a rank out of rows repeats the batch's first row with weight 0.
-        count = max(len(self.local_micro_batches(batch, r)[1]) for r in range(rank_world()[1])) if self.fsdp else len(passes)
-        for i in range(count):
-            padding = i >= len(passes)
-            source, source_targets = (batch, targets) if padding else (local, local_targets)
-            rows = slice(0, 1) if padding else slice(passes[i].start, passes[i].stop)
-            micro = source.select(rows).trim().to(self.device)  # batches live on the CPU until they meet the model
-            T = micro.response_mask.shape[1]
-            tgt = source_targets.select(rows, T).to(self.device)
-            shared = self.prompt_lengths(micro)
-            with autocast(self.config.trainer.precision, self.device.type), torch.set_grad_enabled(not zero_gradient):
-                out = policy_forward(
-                    self.model, micro.input_ids, micro.attention_mask, micro.response_mask,
-                    temperature=self.config.rollout.temperature, with_entropy=True,
-                    entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
-                    value_head=self.value_head,
-                    # on a checkpointed model decoder_hidden runs full rows instead (ragen/train/logprobs.py)
-                    prompt_lengths=shared, prompt_layout=self.agreed_layout(micro, shared),
-                )
-            old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
-            pg_loss, step_metrics = self.policy_loss(
-                out.logprobs, old, tgt.advantages, micro.response_mask, clip_ratio_low=alg.clip_ratio_low,
-                clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c, loss_agg_mode=alg.loss_agg_mode,
-            )
-            entropy = entropy_loss(out.entropy, micro.response_mask, alg.loss_agg_mode)
-            loss = pg_loss - alg.entropy_coeff * entropy if alg.entropy_coeff else pg_loss
-            step_metrics["actor/entropy"] = entropy.item()
-            if alg.use_kl_loss:
-                kl = aggregate_loss(kl_penalty(out.logprobs, tgt.ref_logprobs, alg.kl_type), micro.response_mask, alg.loss_agg_mode)
-                loss = loss + alg.kl_coef * kl
-                step_metrics["actor/kl_loss"] = kl.item()
-            if out.values is not None:
-                v_loss, v_metrics = value_loss(out.values, tgt.old_values, tgt.returns, micro.response_mask,
-                                               alg.clip_range_value, alg.loss_agg_mode)
-                loss = loss + alg.value_coef * v_loss
-                step_metrics.update(v_metrics)
-            step_metrics["actor/loss"] = loss.item()
-            token_share = micro.response_mask.sum() / total_tokens
-            share = token_share if alg.loss_agg_mode == "token-mean" else len(micro) / len(batch)
-            if padding:
-                share = 0.0 * share
-            if not zero_gradient:
-                (loss * share).backward()
-            if padding:  # a padding pass adds no gradient and no metrics (its own may be NaN, e.g. one-token variances)
-                continue
-            if out.values is not None:
-                ev_sums.add(tgt.returns, out.values.detach(), micro.response_mask)
-            for k, v in step_metrics.items():  # losses by the loss's own share, token statistics by token share
-                weight = share if k in LOSS_METRICS or k.endswith("_loss") else token_share
-                sums[k] = sums.get(k, 0.0) + float(v) * float(weight)
-        if zero_gradient:  # what the backward pass would have produced, on every rank
-            for p in self.trainable_parameters():
-                p.grad = torch.zeros_like(p)
-        else:
-            all_reduce_grads(self.trainable_parameters())  # SUM over ranks; no-op in one process
-        # the explained-variance sums (EV_PREFIX keys) go back with the metrics: update() pools them over its steps
-        sums = reduce_metrics({**sums, **ev_sums.as_metrics()}, "sum")
-        grad_norm = clip_grad_norm_(self.trainable_parameters(), self.config.optim.grad_clip)  # sharded grads too
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses: read before the schedule moves on
-        skipped = not step_if_finite(self.optimizer, self.scheduler, grad_norm)  # a NaN / inf gradient changes nothing
-        return {**sums, "actor/grad_norm": float(grad_norm), "actor/lr": lr, "actor/nonfinite_grad_skipped": float(skipped)}
-
-    @torch.no_grad()
-    def score(self, batch: TrainBatch, *, policy: bool, values: bool, ref: bool) -> dict[str, torch.Tensor]:
-        """Before any update: log π_old, critic values and log π_ref at every response target. ``(B, T)`` each."""
-        out: dict[str, torch.Tensor] = {}
-        if not (policy or values or ref):
-            return out
-        self.model.eval()
-        wanted = (["logprobs"] if policy else []) + (["values"] if values else [])
-        for name in wanted + (["ref_logprobs"] if ref else []):
-            out[name] = torch.zeros_like(batch.response_mask)
-        alg = self.config.algorithm
-        temperature = self.config.rollout.temperature
-        # groups adjacent, longest first: micro-batches of similar lengths (see group_contiguous)
-        order = group_contiguous(torch.arange(len(batch)), batch.group_ids, batch.attention_mask.sum(1))  # (B,)
-        lengths = batch.attention_mask.sum(1)[order].tolist()
-        for part in micro_batches.plan(lengths, alg.micro_batch_size, alg.max_tokens_per_micro_batch):
-            rows = order[part.start : part.stop]
-            micro = batch.select(rows).trim().to(self.device)
-            T = micro.response_mask.shape[1]
-            args = (micro.input_ids, micro.attention_mask, micro.response_mask)
-            shared = self.prompt_lengths(micro)
-            with autocast(self.config.trainer.precision, self.device.type):
-                if wanted:
-                    res = policy_forward(self.model, *args, temperature=temperature, prompt_lengths=shared,
-                                         value_head=self.value_head if values else None)
-                    for name in wanted:
-                        out[name][rows, :T] = getattr(res, name).to(out[name].device)
-                if ref:
-                    with self.reference_policy() as ref_model:
-                        out["ref_logprobs"][rows, :T] = policy_forward(
-                            ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs.to(out["ref_logprobs"].device)
-        return out
-
-    def local_micro_batches(self, batch: TrainBatch, rank: int) -> tuple[torch.Tensor, list[range]]:
-        """Rank ``rank``'s rows of an update mini-batch (whole groups, longest first) and its micro-batches over them.
-        Every rank can compute every rank's: all hold the whole mini-batch and shard it the same way."""
-        mine = shard(len(batch), rank, rank_world()[1])
-        rows = group_contiguous(torch.arange(mine.start, mine.stop), batch.group_ids, batch.attention_mask.sum(1))
-        alg = self.config.algorithm
-        lengths = batch.attention_mask.sum(1)[rows].tolist()
-        return rows, micro_batches.plan(lengths, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
-
     def say(self, line: str) -> None:
         """One console line from rank 0, above the progress bar if one is showing."""
         if self.is_main:
@@ -552,41 +353,6 @@ class StarPOTrainer:
 
             tqdm.write(line)
 
-    def agreed_layout(self, micro: TrainBatch, prompt_lengths: torch.Tensor | None) -> str:
-        """The shared-prompt layout of an update micro-batch: ``"auto"``, except under FSDP, where the ranks'
-        micro-batches differ and every decoder pass is a collective, so all ranks take the packed layout
-        (one pass) only if every rank's own choice is packed, else the split one (two passes)."""
-        if not self.fsdp:
-            return "auto"
-        mine = shared_prompt_layout(self.model, micro.input_ids, micro.attention_mask, prompt_lengths)
-        return "packed" if all_ranks(mine == "packed") else "split"
-
-    def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Tokens before each row's first model-written token, when shared prompts run once (else None)."""
-        if not self.config.trainer.share_prompt_prefix or self.config.agent.context_mode == "window":
-            return None  # window rows share a prompt only at turn 1: sharing would cost extra passes, save nothing
-        return batch.response_mask.argmax(dim=1) + 1  # target t predicts token t + 1
-
-    @property
-    def uses_kl(self) -> bool:
-        return self.config.algorithm.use_kl_loss or self.config.algorithm.use_kl_in_reward
-
-    @contextlib.contextmanager
-    def reference_policy(self):
-        """The initial policy: the LoRA base with adapters disabled (no extra memory), else a frozen copy."""
-        if self.ref_model is None:
-            with self.model.disable_adapter():
-                yield self.model
-        else:
-            yield self.ref_model
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.value_head is not None:
-            params += list(self.value_head.parameters())
-        return params
-
-    # ================================ plumbing ========================================
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Every validation tag on its fixed held-out seeds ``VAL_SEED_BASE + i``, one batch; ``val/…`` and ``val/<tag>/…``.
@@ -641,34 +407,12 @@ class StarPOTrainer:
         except OSError as exc:  # e.g. a full disk: the run itself is done, its summary must still be written
             return f"not drawn: {type(exc).__name__}: {exc}"
 
-    def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path:
-        """Write up to ``log_rollouts_n`` trajectories with per-token text, mask and advantage (JSONL); rank 0 only."""
+    def save_rollouts(self, step: int, trajectories: list[Trajectory]) -> Path | None:
+        """Up to ``trainer.log_rollouts_n`` of the step's episodes to ``rollouts/step_N.jsonl`` (rank 0 only)."""
         if not self.is_main:
             return None
-        rows = {}
-        if self.last_advantages is not None:
-            trained, advantages = self.last_advantages
-            rows = {id(t): advantages[i] for i, t in enumerate(trained)}
-        path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-        path.parent.mkdir(exist_ok=True)
-        with atomic_open(path) as f:  # a viewer reading the run meanwhile never sees half a step
-            for traj in logged_sample(trajectories, self.config.trainer.log_rollouts_n):
-                adv = rows.get(id(traj))
-                n = len(traj.input_ids)
-                record = {
-                    "step": step,
-                    **traj.to_json(),
-                    "in_update": adv is not None,  # False: filtered out, or an env error (its tokens trained nothing)
-                    "tokens": [self.tokenizer.decode([i]) for i in traj.input_ids],
-                    "loss_mask": traj.loss_mask,
-                    # advantage of token p sits at target p - 1
-                    "advantages": [0.0] + (adv[: n - 1].tolist() if adv is not None else [0.0] * (n - 1)),
-                    "turn_spans": [list(span) for span in traj.turn_spans],
-                }
-                if traj.window_prompts:  # context_mode=window: what each turn really saw (the viewer shows them)
-                    record["window_prompts"] = [[self.tokenizer.decode([i]) for i in p] for p in traj.window_prompts]
-                f.write(strict_dumps(record) + "\n")
-        return path
+        return write_rollout_log(self.run_dir / "rollouts" / f"step_{step:06d}.jsonl", step, trajectories,
+                                 self.actor.last_advantages, self.tokenizer, self.config.trainer.log_rollouts_n)
 
     def log(self, metrics: dict) -> None:
         """One step's metrics to every ``trainer.logger`` (metrics.jsonl always)."""
@@ -751,17 +495,3 @@ class StarPOTrainer:
             path.mkdir(parents=True, exist_ok=True)
         return path
 
-
-def logged_sample(trajectories: list[Trajectory], n: int) -> list[Trajectory]:
-    """The first ``n`` trajectories to log, whole groups taken from each env tag in turn (a mixed-tag batch lists
-    one tag's groups first: a plain slice would log that tag alone)."""
-    groups: dict[str, dict[int, list[Trajectory]]] = {}
-    for traj in trajectories:
-        groups.setdefault(traj.tag or traj.env_name, {}).setdefault(traj.group_id, []).append(traj)
-    queues = [list(by_id.values()) for by_id in groups.values()]
-    ordered: list[Trajectory] = []
-    for turn in range(max((len(q) for q in queues), default=0)):
-        for queue in queues:
-            if turn < len(queue):
-                ordered += queue[turn]
-    return ordered[:n]

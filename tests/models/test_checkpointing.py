@@ -22,7 +22,7 @@ from ragen.models.checkpointing import enable_checkpointing, is_checkpointing
 from ragen.models.freeze import decoder_layers, train_top_layers
 from ragen.sft.config import load_sft_config
 from ragen.sft.trainer import SFTTrainer
-from ragen.train import trainer as trainer_module
+from ragen.train import actor_update as update_module
 from ragen.train.logprobs import decoder_hidden, policy_forward
 from ragen.train.trainer import StarPOTrainer
 
@@ -129,7 +129,7 @@ def test_frozen_bottom_layers_stay_out_of_the_backward_pass(tiny):
 def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeypatch):
     """Same gradients, loss and grad norm in one update, with the same call from the trainer."""
     calls: dict[bool, list] = {False: [], True: []}
-    real = trainer_module.policy_forward
+    real = update_module.policy_forward
     grads, metrics = {}, {}
     for flag in (False, True):
         def recording(*args, _flag=flag, **kw):
@@ -137,7 +137,7 @@ def test_rl_update_with_checkpointing_matches_the_plain_update(tmp_path, monkeyp
                 calls[_flag].append(kw.get("prompt_lengths"))
             return real(*args, **kw)
 
-        monkeypatch.setattr(trainer_module, "policy_forward", recording)
+        monkeypatch.setattr(update_module, "policy_forward", recording)
         config = load_config("bandit", ["model=tiny", "trainer.precision=fp32", f"trainer.output_dir={tmp_path / str(flag)}",
                                         "trainer.val_episodes=1", f"trainer.gradient_checkpointing={flag}"])
         trainer = StarPOTrainer(config)

@@ -4,6 +4,7 @@ import torch
 from ragen.config import load_config
 from ragen.models.dropout import disable_dropout
 from ragen.models.tiny import load_tiny
+from ragen.train import actor_update as update_module
 from ragen.train import trainer as trainer_module
 from ragen.train.trainer import StarPOTrainer
 from tests.train.trajectories import shared_prompt_trajectories
@@ -42,7 +43,7 @@ def test_an_update_is_the_same_function_as_the_scoring_only_without_dropout(disa
     scores π_old (eval mode), and the gradient depends on the micro-batch size (other masks). ``algorithm.disable_dropout``
     (the default) turns it off: the gradients of micro-batches of 6 and 1 agree to rounding."""
     monkeypatch.setattr(trainer_module, "load_model", tiny_with_dropout(0.3))
-    real_clip, grads = trainer_module.clip_grad_norm_, {}
+    real_clip, grads = update_module.clip_grad_norm_, {}
     for size in (6, 1):
         config = load_config("bandit", [
             "model=tiny", f"trainer.output_dir={tmp_path / str(size)}", "trainer.val_episodes=1", "trainer.precision=fp32",
@@ -55,7 +56,7 @@ def test_an_update_is_the_same_function_as_the_scoring_only_without_dropout(disa
             grads[size] = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]).clone()
             return real_clip(params, max_norm)
 
-        monkeypatch.setattr(trainer_module, "clip_grad_norm_", record)
+        monkeypatch.setattr(update_module, "clip_grad_norm_", record)
         torch.manual_seed(1)
         trainer.update(shared_prompt_trajectories(trainer.tokenizer))
     difference = float((grads[6] - grads[1]).norm() / grads[6].norm())

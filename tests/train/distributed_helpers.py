@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ragen.train.batch import TrainBatch
-from ragen.train.trainer import UpdateTargets
+from ragen.train.update_targets import UpdateTargets
 
 WORLD = 2
 #: Rows: (prompt id, prompt length, response length). Rank 0 gets rows 0-2 (short answers),

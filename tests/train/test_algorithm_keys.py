@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import ragen.train.batch as batch_module
-import ragen.train.trainer as trainer_module
+import ragen.train.actor_update as update_module
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.cli import main
 from ragen.config import ConfigError, load_config
@@ -42,7 +42,7 @@ def test_step_returns_are_discounted_by_the_step_gamma():
 
 def test_the_in_reward_kl_uses_its_own_estimator_and_gigpo_its_own_gamma(monkeypatch, tmp_path):
     kl_types, step_gammas = [], []
-    real_kl, real_collate = trainer_module.kl_penalty, trainer_module.collate
+    real_kl, real_collate = update_module.kl_penalty, update_module.collate
 
     def spy_kl(logprobs, ref, kl_type):
         kl_types.append(kl_type)
@@ -52,8 +52,8 @@ def test_the_in_reward_kl_uses_its_own_estimator_and_gigpo_its_own_gamma(monkeyp
         step_gammas.append(step_gamma)
         return real_collate(trajectories, pad_id, step_gamma=step_gamma)
 
-    monkeypatch.setattr(trainer_module, "kl_penalty", spy_kl)
-    monkeypatch.setattr(trainer_module, "collate", spy_collate)
+    monkeypatch.setattr(update_module, "kl_penalty", spy_kl)
+    monkeypatch.setattr(update_module, "collate", spy_collate)
     assert main(["train", "bandit", f"trainer.output_dir={tmp_path}", *SMALL, "algorithm.use_kl_in_reward=true",
                  "algorithm.kl_type=k3", "algorithm.use_kl_loss=false", "algorithm.adv_estimator=gigpo", "algorithm.gigpo_gamma=0.7"]) == 0
     assert kl_types == ["k1"]  # the in-reward penalty, once per step: not the loss's k3

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.cli import main
 from ragen.config import ConfigError, load_config
 from ragen.envs import make
@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from ragen.sft.config import load_sft_config
 from ragen.train.batch import TrainBatch
 from ragen.train.logprobs import policy_forward
-from ragen.train.trainer import StarPOTrainer, UpdateTargets
+from ragen.train.trainer import StarPOTrainer
+from ragen.train.update_targets import UpdateTargets
 
 from tests.train.trajectories import shared_prompt_trajectories
 
@@ -189,7 +190,7 @@ def test_policy_forward_on_the_device_equals_the_cpu_reference(tiny, device):
 def test_greedy_multi_turn_rollout_on_the_device_plays_the_cpu_tokens(tiny, device):
     """Shared-prompt prefill, kept KV caches resumed over 3 turns, stop strings: same greedy tokens as on the CPU."""
     model, tokenizer = tiny
-    settings = AgentSettings(max_turn=3, max_actions_per_turn=2)
+    settings = AgentConfig(max_turn=3, max_actions_per_turn=2)
     sampling = SamplingParams(max_new_tokens=12, do_sample=False, stop=("</answer>",))
 
     def play(m):

@@ -3,7 +3,7 @@
 The ranks are forked (``torch.multiprocessing.start_processes(start_method="fork")``, the
 same API as ``spawn``): a spawned child would re-import torch and transformers (~25 s each on
 this machine), a forked one inherits the trainer built once here. They meet through a file
-store in a fresh temp dir (no port to race for) and run the real ``StarPOTrainer.optimizer_step``.
+store in a fresh temp dir (no port to race for) and run the real ``ActorUpdate.optimizer_step``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _rank_step(rank, init_method, trainer, batch, targets, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
-        metrics = trainer.optimizer_step(batch, targets)
+        metrics = trainer.actor.optimizer_step(batch, targets)
         torch.save({**snapshot(trainer), "metrics": metrics}, out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -53,7 +53,7 @@ def _rank_step(rank, init_method, trainer, batch, targets, out_dir):
 
 def single_step(trainer, batch, targets) -> tuple[dict, dict]:
     """The same step in this process, on a copy (the fixture's trainer stays at its initial weights)."""
-    solo = copy.copy(trainer)
+    solo = copy.copy(trainer.actor)
     solo.model = copy.deepcopy(trainer.model)
     solo.optimizer = torch.optim.AdamW(
         [p for p in solo.model.parameters() if p.requires_grad], **{k: v for k, v in trainer.optimizer.defaults.items()

@@ -21,7 +21,7 @@ from ragen.train.distributed import micro_batch_count, shard
 from ragen.train.fsdp import full_tensor
 from ragen.train.trainer import StarPOTrainer
 from tests.train.distributed_helpers import (
-    WORLD, _run_ranks, assert_adam_steps_close, assert_grads_close, synthetic_batch,
+    WORLD, _run_ranks, assert_grads_close, synthetic_batch,
 )
 
 OVERRIDES = [
@@ -43,11 +43,11 @@ def make_trainer(out, extra=()):
 def steps(trainer, batch, targets):
     """A normal step, a no-grad scoring pass, a step on exactly-zero gradients (the zero-advantage
     shortcut), then a checkpoint: what the trainer does with saturated rewards and save_freq."""
-    metrics = trainer.optimizer_step(batch, targets)
+    metrics = trainer.actor.optimizer_step(batch, targets)
     grads = {n: full_tensor(p.grad.detach()).clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    trainer.score(batch, policy=True, values=False, ref=False)
+    trainer.actor.score(batch, policy=True, values=False, ref=False)
     layers_after_score = [type(p).__name__ for n, p in trainer.model.named_parameters() if ".layers." in n]
-    trainer.optimizer_step(batch, targets, zero_gradient=True)
+    trainer.actor.optimizer_step(batch, targets, zero_gradient=True)
     trainer.save_checkpoint(2)
     return metrics, grads, layers_after_score
 
@@ -133,8 +133,8 @@ def test_clipping_scales_the_gradients_in_one_process(tmp_path):
     reported norm is the one before clipping."""
     solo = make_trainer(tmp_path / "solo", ["optim.grad_clip=1e-6"])
     batch, targets = synthetic_batch()
-    metrics = solo.optimizer_step(batch, targets)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in solo.trainable_parameters()
+    metrics = solo.actor.optimizer_step(batch, targets)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in solo.actor.trainable_parameters()
                                                  if p.grad is not None]))
     assert metrics["actor/grad_norm"] > 1e-5
     assert float(norm) == pytest.approx(1e-6, rel=1e-3)
@@ -233,10 +233,10 @@ def _fsdp_layouts(rank, init_method, out_dir):
         trainer_module.policy_forward = lambda *a, **kw: taken.append(kw["prompt_layout"]) or shipped(*a, **kw)
         batch, targets = synthetic_batch()
         logprobs.packed_is_cheaper = lambda *a: rank == 0
-        trainer.optimizer_step(batch, targets)
+        trainer.actor.optimizer_step(batch, targets)
         disagreeing, taken[:] = list(taken), []
         logprobs.packed_is_cheaper = lambda *a: True
-        trainer.optimizer_step(batch, targets)
+        trainer.actor.optimizer_step(batch, targets)
         torch.save({"disagreeing": disagreeing, "agreeing": list(taken)}, out_dir / f"layouts{rank}.pt")
     finally:
         dist.destroy_process_group()

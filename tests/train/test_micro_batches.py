@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from ragen.config import load_config
-from ragen.train import trainer as trainer_module
-from ragen.train.trainer import StarPOTrainer, group_contiguous
+from ragen.train import actor_update as update_module
+from ragen.train.trainer import StarPOTrainer
+from ragen.train.update_targets import group_contiguous
 
 from tests.train.trajectories import shared_prompt_trajectories
 
@@ -25,14 +26,14 @@ def test_each_micro_batch_runs_whole_groups(tmp_path, monkeypatch):
     trainer = StarPOTrainer(config)
     trajs = shared_prompt_trajectories(trainer.tokenizer)  # 2 groups x 3 rows, one prompt per group
     prompts_per_call = []
-    real = trainer_module.policy_forward
+    real = update_module.policy_forward
 
     def recording(model, input_ids, attention_mask, response_mask, **kw):
         starts = response_mask.argmax(dim=1)  # (B,): first response target = prompt length - 1
         prompts_per_call.append({tuple(row[m.bool()][: int(s) + 1].tolist()) for row, m, s in zip(input_ids, attention_mask, starts)})
         return real(model, input_ids, attention_mask, response_mask, **kw)
 
-    monkeypatch.setattr(trainer_module, "policy_forward", recording)
+    monkeypatch.setattr(update_module, "policy_forward", recording)
     torch.manual_seed(0)
     order = torch.randperm(6)
     groups = [trajs[i].group_id for i in order.tolist()]
@@ -65,7 +66,7 @@ def test_scoring_in_length_order_writes_each_rows_logprobs_back_to_its_row(tmp_p
     batch = collate(trajs, trainer.tokenizer.pad_token_id)
     order = group_contiguous(torch.arange(len(batch)), batch.group_ids, batch.attention_mask.sum(1))
     assert order.tolist() == [3, 4, 5, 0, 1, 2]
-    scored = trainer.score(batch, policy=True, values=False, ref=False)["logprobs"]  # (B, T)
+    scored = trainer.actor.score(batch, policy=True, values=False, ref=False)["logprobs"]  # (B, T)
     for row in range(len(batch)):
         one = batch.select(slice(row, row + 1)).trim()
         alone = policy_forward(trainer.model, one.input_ids, one.attention_mask, one.response_mask,
@@ -83,7 +84,7 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
     epochs (so the second one's ratios move and clip), the gradients and every logged metric of 6 rows in 1,
     2 (4 + 2) and 6 micro-batches agree to fp32 rounding; that is why ``algorithm.micro_batch_size`` may change
     on ``--resume``."""
-    runs, real_clip, real_forward = {}, trainer_module.clip_grad_norm_, trainer_module.policy_forward
+    runs, real_clip, real_forward = {}, update_module.clip_grad_norm_, update_module.policy_forward
     # micro-batches by row count (6, 4, 1 rows), and by a token budget of 31 padded tokens (rows of 23-32 tokens: one a pass; the
     # 32-token rows exceed it and run alone, checkpointed: gradient_checkpointing=auto)
     cuts = {6: ["algorithm.micro_batch_size=6"], 4: ["algorithm.micro_batch_size=4"], 1: ["algorithm.micro_batch_size=1"],
@@ -103,7 +104,7 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
             grads.append({n: p.grad.clone() for n, p in named if p.grad is not None})
             return real_clip(params, max_norm)
 
-        monkeypatch.setattr(trainer_module, "clip_grad_norm_", record)
+        monkeypatch.setattr(update_module, "clip_grad_norm_", record)
         passes = []
 
         def counting(model, input_ids, *args, passes=passes, real_forward=real_forward, **kw):
@@ -111,7 +112,7 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
                 passes.append(tuple(input_ids.shape))
             return real_forward(model, input_ids, *args, **kw)
 
-        monkeypatch.setattr(trainer_module, "policy_forward", counting)
+        monkeypatch.setattr(update_module, "policy_forward", counting)
         torch.manual_seed(1)
         metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
         runs[size] = grads, metrics
@@ -136,7 +137,7 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_size(agg, t
 
 
 def test_explained_variance_is_undefined_for_returns_constant_up_to_fp32_rounding():
-    from ragen.train.trainer import ExplainedVarianceSums
+    from ragen.train.update_targets import ExplainedVarianceSums
 
     torch.manual_seed(0)
     values = torch.randn(2, 64) * 5  # a critic that has learned something
@@ -161,7 +162,7 @@ def test_the_updates_explained_variance_pools_the_sums_of_all_its_optimizer_step
     """With several optimizer steps per update (mini-batches of one row here) the logged explained variance is the
     one of all the update's tokens, from the steps' pooled sums: not a mean of per-step values (a step whose rows'
     returns are constant has none, NaN, which would make the mean NaN)."""
-    from ragen.train.trainer import EV_PREFIX, ExplainedVarianceSums
+    from ragen.train.update_targets import EV_PREFIX, ExplainedVarianceSums
 
     config = load_config("bandit", ["model=tiny", f"trainer.output_dir={tmp_path}", "trainer.val_episodes=1",
                                     "trainer.precision=fp32", "algorithm.adv_estimator=gae", "algorithm.mini_batch_size=1"])
@@ -169,14 +170,14 @@ def test_the_updates_explained_variance_pools_the_sums_of_all_its_optimizer_step
     trainer = StarPOTrainer(config)
     with torch.no_grad():  # a critic with an opinion: the zero-initialised head predicts 0 everywhere
         torch.nn.init.normal_(trainer.value_head.linear.weight, std=0.5)
-    steps, real_step = [], trainer.optimizer_step
+    steps, real_step = [], trainer.actor.optimizer_step
 
     def record(*args, **kwargs):
         metrics = real_step(*args, **kwargs)
         steps.append({k: v for k, v in metrics.items() if k.startswith(EV_PREFIX)})
         return metrics
 
-    trainer.optimizer_step = record
+    trainer.actor.optimizer_step = record
     torch.manual_seed(1)
     metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))
     assert len(steps) > 2 and not any(k.startswith(EV_PREFIX) for k in metrics)
@@ -191,7 +192,7 @@ def test_equal_returns_of_long_episodes_stay_equal(estimator):
     returns that are equal, and a 2 000-token episode logged an explained variance of ~-5e11. In fp64 they stay
     equal to fp32 precision: the explained variance is undefined (NaN), as for any constant returns."""
     from ragen.algos import AdvantageInputs, get_adv_estimator
-    from ragen.train.trainer import ExplainedVarianceSums
+    from ragen.train.update_targets import ExplainedVarianceSums
 
     torch.manual_seed(0)
     B, T = 8, 2048

@@ -269,7 +269,7 @@ def test_resume_deletes_rollout_logs_of_steps_after_the_checkpoint(tmp_path):
 
 def test_logged_rollouts_take_whole_groups_from_each_tag_in_turn():
     from ragen.agent.trajectory import Trajectory
-    from ragen.train.trainer import logged_sample
+    from ragen.train.rollout_log import logged_sample
 
     batch = [Trajectory(env_name="e", group_id=g, seed=0, tag=tag) for tag, g in
              [("A", 0), ("A", 0), ("A", 1), ("A", 1), ("B", 2), ("B", 2), ("B", 3), ("B", 3)]]

@@ -133,7 +133,7 @@ def test_sampled_validation_leaves_the_training_stream_alone(tmp_path):
 
 
 def test_a_rollout_log_cut_short_leaves_no_half_written_step_file(tmp_path, monkeypatch):
-    from ragen.train import trainer as trainer_module
+    from ragen.train import rollout_log
 
     run = tmp_path / "run"
     calls = []
@@ -144,7 +144,7 @@ def test_a_rollout_log_cut_short_leaves_no_half_written_step_file(tmp_path, monk
             raise OSError("No space left on device")
         return json.dumps(value)
 
-    monkeypatch.setattr(trainer_module, "strict_dumps", dies_on_the_second_record)
+    monkeypatch.setattr(rollout_log, "strict_dumps", dies_on_the_second_record)
     with pytest.raises(OSError, match="No space"):
         main(["train", "bandit", "trainer.total_steps=1", "trainer.val_before_train=false", "trainer.log_rollouts_freq=1",
               "trainer.log_rollouts_n=4", f"trainer.output_dir={run}", *ARGS])

@@ -39,7 +39,7 @@ def test_window_rows_carry_their_episodes_advantages(tmp_path):
     for i, traj in enumerate(trajectories):
         traj.turns[-1].env_reward += float(i)
     seen = []
-    trainer.optimizer_step = lambda batch, targets, **kwargs: seen.append((batch, targets)) or {"actor/loss": 0.0}
+    trainer.actor.optimizer_step = lambda batch, targets, **kwargs: seen.append((batch, targets)) or {"actor/loss": 0.0}
     trainer.update(trajectories)
     [(rows, targets)] = seen
 
