@@ -16,6 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ragen.agent.settings import AgentConfig
 from ragen.errors import ConfigError
 from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS, resolve_precision
@@ -29,40 +30,6 @@ class EnvConfig:
     name: str = "bandit"
     #: Keyword config passed to the env's constructor (validated by the env itself).
     config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class AgentConfig:
-    #: Maximum model turns per episode.
-    max_turn: int = 1
-    #: Actions the model may give in one answer, separated by ``action_sep``.
-    max_actions_per_turn: int = 1
-    #: Actions per episode at most (0 = no limit).
-    max_actions_per_traj: int = 0
-    #: Ask for ``<think>…</think><answer>…</answer>``; False asks for ``<answer>…</answer>`` only.
-    enable_think: bool = True
-    #: Text placed after the generation prompt before the model writes (e.g. ``<answer>``); never trained on.
-    #: It must be able to begin the asked format (``<think>`` with ``enable_think``, else ``<answer>``): the bandit
-    #: preset's ``<answer>`` needs ``agent.response_prefix=<think>`` (or ``''``) beside ``agent.enable_think=true``.
-    response_prefix: str = ""
-    #: Reward added to a turn whose answer cannot be parsed or names no valid action.
-    format_penalty: float = -0.1
-    #: The system message of every prompt (a tag's ``system_prompt`` replaces it for that tag).
-    system_prompt: str = "You're a helpful assistant."
-    #: What separates several actions in one answer (``max_actions_per_turn`` > 1).
-    action_sep: str = "||"
-    #: Shaped reward per turn for a well-formed answer with a non-empty ``<think>`` (0 = off; needs enable_think).
-    think_reward: float = 0.0
-    #: Shaped reward per turn whose ``<prediction>`` (inside ``<think>``) equals the env's next
-    #: observation exactly (VAGEN's world modelling; 0 = off; when on the prompt asks for it).
-    prediction_reward: float = 0.0
-    #: What each turn's prompt holds: ``full`` = the whole episode so far, and the episode is one
-    #: training sample (RAGEN's default); ``window`` = the env's instructions plus only the last
-    #: ``max_context_window`` turns, and every turn is its own training sample (verl-agent style,
-    #: for long horizons). See docs/context_modes.md.
-    context_mode: str = "full"
-    #: Past turns (observation + answer) kept in a ``window`` prompt; 0 = the current observation only.
-    max_context_window: int = 2
 
 
 @dataclass
@@ -242,8 +209,10 @@ class AlgorithmConfig:
 
 
 @dataclass
-class OptimConfig:
-    #: AdamW's learning rate.
+class AdamWConfig:
+    """The optimizer keys RL and SFT runs share (``optim.*``); each run kind adds its own below."""
+
+    #: AdamW's learning rate (the peak, after warm-up).
     lr: float = 1e-6
     #: AdamW's decoupled weight decay.
     weight_decay: float = 0.0
@@ -255,14 +224,18 @@ class OptimConfig:
     #: training step makes ppo_epochs x ceil(episodes / mini_batch_size) of them, an SFT step one. A skipped
     #: (non-finite gradient) step does not count.
     warmup_steps: int = 0
-    #: Train only the last N decoder layers (0 = all): embeddings, LM head and lower layers stay
-    #: frozen, so the backward pass stops at layer L-N (ragen/models/freeze.py). Under LoRA only
-    #: the adapters of those layers train.
-    trainable_layers: int = 0
     #: torch's fused AdamW kernel where every trainable parameter allows it (plain CPU/CUDA tensors;
     #: not under FSDP): 4-5x faster steps on CPU, results equal to the for-loop AdamW up to float
     #: rounding (ragen/train/optimizer.py). False = torch's default implementation.
     fused: bool = True
+
+
+@dataclass
+class OptimConfig(AdamWConfig):
+    #: Train only the last N decoder layers (0 = all): embeddings, LM head and lower layers stay
+    #: frozen, so the backward pass stops at layer L-N (ragen/models/freeze.py). Under LoRA only
+    #: the adapters of those layers train.
+    trainable_layers: int = 0
 
 
 @dataclass

@@ -19,7 +19,16 @@ _FIELD = re.compile(r"^\s*(\w+)\s*:")
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """``{field: its #: comment lines joined}`` from ``cls``'s source (the comment block right above each field)."""
+    """``{field: its #: comment lines joined}`` from the source of ``cls`` and its dataclass bases (the comment block
+    right above each field; a subclass's comment wins over its base's)."""
+    comments: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not object and "__dataclass_fields__" in vars(base):
+            comments.update(_own_field_comments(base))
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     comments: dict[str, str] = {}
     pending: list[str] = []
     for line in inspect.getsource(cls).splitlines()[1:]:

@@ -7,7 +7,7 @@ and leaves the env unchanged; an env that raises ends that episode with ``error`
 (reported, excluded from the update), never the run.
 
 Episodes of one batch may come from different env tags: each carries its own
-:class:`AgentSettings` (horizon, prompt, format), so a 1-turn Bandit episode finishes while
+:class:`AgentConfig` (horizon, prompt, format), so a 1-turn Bandit episode finishes while
 a 5-turn Sokoban episode of the same batch keeps playing.
 """
 
@@ -22,43 +22,19 @@ import numpy as np
 
 from ragen.agent.context import ChatTokens, PromptFormat
 from ragen.agent.parser import ParsedResponse, parse_response
+from ragen.agent.settings import AgentConfig
 from ragen.agent.rewards import extract_prediction, prediction_matches, think_is_well_formed
 from ragen.agent.trajectory import Trajectory, Turn
 from ragen.envs.base import GROUP_MEMBER_OPTION
-from ragen.envs.contract import (EnvContractError, checked_action_id, checked_reset, checked_step, describe_failure,
-                                  instructions_problem)
+from ragen.envs.contract import (EnvContractError, checked_action_id, checked_reset, describe_failure,
+                                  instructions_problem, stepped)
 from ragen.engines.base import SamplingParams, engine_session
 
 
-@dataclass
-class AgentSettings:
-    max_turn: int = 1
-    max_actions_per_turn: int = 1
-    #: 0 = no limit.
-    max_actions_per_traj: int = 0
-    enable_think: bool = True
-    #: Text put after the generation prompt, before the model writes (e.g. "<answer>"); not trained on.
-    response_prefix: str = ""
-    format_penalty: float = -0.1
-    system_prompt: str = "You're a helpful assistant."
-    action_sep: str = "||"
-    #: Replaces the env's own instructions in the first prompt ("" = the env's); set by env tags.
-    instructions: str = ""
-    #: Shaped reward for a well-formed turn with a non-empty ``<think>`` (0 = off).
-    think_reward: float = 0.0
-    #: Shaped reward for a ``<prediction>`` equal to the env's next observation (0 = off; when on,
-    #: the prompt asks for one inside ``<think>``).
-    prediction_reward: float = 0.0
-    #: ``full``: each prompt is the whole episode so far; ``window``: the instructions plus the last
-    #: ``max_context_window`` turns (the trajectory then records each turn's prompt, ``window_prompts``).
-    context_mode: str = "full"
-    max_context_window: int = 2
-
-
 class _Protocol:
-    """What one :class:`AgentSettings` implies for prompts: its wording and its response prefix ids."""
+    """What one :class:`AgentConfig` implies for prompts: its wording and its response prefix ids."""
 
-    def __init__(self, settings: AgentSettings, chat: ChatTokens):
+    def __init__(self, settings: AgentConfig, chat: ChatTokens):
         self.settings = settings
         self.format = PromptFormat(
             settings.enable_think, settings.max_actions_per_turn, settings.action_sep,
@@ -104,7 +80,7 @@ class _Episode:
         return self.protocol.format.preamble(self.instructions)
 
     @property
-    def settings(self) -> AgentSettings:
+    def settings(self) -> AgentConfig:
         return self.protocol.settings
 
 
@@ -117,7 +93,7 @@ class Rollout:
     re-encoding anything; 0 plays them all at once.
     """
 
-    def __init__(self, backend, tokenizer, settings: AgentSettings, sampling: SamplingParams, max_in_flight: int = 0):
+    def __init__(self, backend, tokenizer, settings: AgentConfig, sampling: SamplingParams, max_in_flight: int = 0):
         if max_in_flight < 0:
             raise ValueError(f"max_in_flight must be >= 0, got {max_in_flight}")
         self.max_in_flight = max_in_flight
@@ -130,7 +106,7 @@ class Rollout:
         default = self._protocol(settings)
         self.format, self.prefix_ids = default.format, default.prefix_ids
 
-    def _protocol(self, settings: AgentSettings) -> _Protocol:
+    def _protocol(self, settings: AgentConfig) -> _Protocol:
         """One :class:`_Protocol` per distinct settings object (prefix ids are encoded once)."""
         key = id(settings)
         if key not in self._protocols or self._protocols[key].settings is not settings:
@@ -144,7 +120,7 @@ class Rollout:
         group_ids: Sequence[int],
         env_name: str | Sequence[str],
         *,
-        settings: Sequence[AgentSettings] | None = None,
+        settings: Sequence[AgentConfig] | None = None,
         tags: Sequence[str] | None = None,
     ) -> list[Trajectory]:
         """Reset ``envs[i]`` with ``seeds[i]`` and play until every episode ends or reaches its ``max_turn``.
@@ -311,13 +287,17 @@ class Rollout:
     def _step(self, ep: _Episode, action_ids: list[int], turn: Turn) -> str:
         """Step the env with each action in turn; return the final observation text."""
         traj, observation = ep.traj, ep.observation
-        for action_id in action_ids:
+        steps = stepped(ep.env, action_ids)
+        while True:
             try:
-                observation, reward, terminated, truncated, info = checked_step(ep.env, ep.env.step(action_id))
-                effective, success = bool(info.get("action_is_effective", True)), bool(info.get("success", False))
+                result = next(steps, None)
             except Exception as exc:  # reported in the trajectory and the metrics, not fatal
                 _env_failed(traj, "step", exc)
                 return observation
+            if result is None:
+                return observation
+            observation, reward, terminated, truncated, info = result
+            effective, success = bool(info.get("action_is_effective", True)), bool(info.get("success", False))
             turn.env_reward += reward
             turn.actions_executed += 1
             turn.actions_effective += int(effective)
@@ -327,11 +307,9 @@ class Rollout:
                 ep.actions_left -= 1
             if terminated or truncated:
                 traj.done = True
-                break
-        return observation
 
     @staticmethod
-    def _shape(turn: Turn, parsed: ParsedResponse, settings: AgentSettings) -> None:
+    def _shape(turn: Turn, parsed: ParsedResponse, settings: AgentConfig) -> None:
         """Add the shaped reasoning rewards (:mod:`ragen.agent.rewards`) to a finished turn.
 
         Only a valid answer can earn them; the prediction is compared with the observation
@@ -376,7 +354,7 @@ def plain_info(info: dict) -> dict:
     return out
 
 
-def malformed_turn_penalty(settings: "AgentSettings", env, actions_left: int | None) -> float:
+def malformed_turn_penalty(settings: "AgentConfig", env, actions_left: int | None) -> float:
     """What a turn whose answer does not parse costs: ``format_penalty``, plus the env's ``idle_action_reward`` for every
     action the turn could have taken (Sokoban: −0.1 a step). So a malformed turn always costs more than a well-formed
     turn of useless moves, and RL cannot learn to answer malformed to dodge step penalties."""

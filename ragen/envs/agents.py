@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import ragen.envs
-from ragen.envs.contract import checked_action_id, checked_reset, checked_step
+from ragen.envs.contract import checked_action_id, checked_reset, stepped
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Budget:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "Budget":
-        """The budget of :class:`ragen.agent.rollout.AgentSettings` (``max_actions_per_traj`` 0 = no cap)."""
+        """The budget of :class:`ragen.agent.rollout.AgentConfig` (``max_actions_per_traj`` 0 = no cap)."""
         return cls(settings.max_turn, settings.max_actions_per_turn, settings.max_actions_per_traj or None)
 
     def moves_left(self, turns_left: int | None, steps_taken: int, per_turn: int | None,
@@ -331,14 +331,11 @@ def run_episode(
         if not actions or None in ids:
             invalid += 1
         else:
-            for action_id in ids if max_actions is None else ids[: max(0, max_actions - steps)]:
-                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
+            for observation, r, terminated, truncated, info in stepped(env, ids if max_actions is None else ids[: max(0, max_actions - steps)]):
                 steps += 1
                 turn_reward += float(r)
                 success = bool(info.get("success", False))
-                if terminated or truncated:
-                    done = True
-                    break
+                done = terminated or truncated
         if max_actions is not None and steps >= max_actions:
             done = True
         reward += turn_reward
@@ -392,7 +389,7 @@ def record_conversation(
 
     ``messages`` holds the system prompt, every user message exactly as
     :class:`ragen.agent.context.PromptFormat` words it for ``settings``
-    (:class:`ragen.agent.rollout.AgentSettings`; defaults if None), and the agent's replies
+    (:class:`ragen.agent.rollout.AgentConfig`; defaults if None), and the agent's replies
     as ``<think>{think}</think><answer>a1 || a2</answer>`` (``<answer>…</answer>`` without
     think). ``think`` may also be a callable ``think(env, actions) -> str``, called each turn
     before the actions are stepped (a rationale per turn). Turn limits, actions per turn and
@@ -400,9 +397,9 @@ def record_conversation(
     Returns ``messages``, ``success``, ``reward`` (env rewards plus format penalties).
     """
     from ragen.agent.context import PromptFormat
-    from ragen.agent.rollout import AgentSettings
+    from ragen.agent import AgentConfig
 
-    settings = settings or AgentSettings()
+    settings = settings or AgentConfig()
     fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
     raw = env.unwrapped
     observation, _ = checked_reset(env, env.reset(seed=seed))
@@ -426,15 +423,11 @@ def record_conversation(
             feedback = f"Your answer was invalid (unknown action {bad!r}); the state did not change."
             reward = settings.format_penalty
         else:
-            for action_id in ids if actions_left is None else ids[:actions_left]:
-                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
+            for observation, r, terminated, truncated, info in stepped(env, ids if actions_left is None else ids[:actions_left]):
                 reward += float(r)
                 success = bool(info.get("success", False))
-                if actions_left is not None:
-                    actions_left -= 1
-                if terminated or truncated:
-                    done = True
-                    break
+                actions_left = None if actions_left is None else actions_left - 1
+                done = terminated or truncated
         total += reward
         if done or (actions_left is not None and actions_left <= 0) or turn == settings.max_turn:
             break

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -129,6 +129,17 @@ def checked_step(env: Any, result: Any) -> tuple[str, float, bool, bool, dict]:
         env, "step", result, 5, "(observation, reward, terminated, truncated, info)")
     return (_observation(env, "step", observation), checked_reward(env, reward), _flag(env, "terminated", terminated),
             _flag(env, "truncated", truncated), _info(env, "step", info))
+
+
+def stepped(env: Any, action_ids: Iterable[int]) -> Iterator[tuple[str, float, bool, bool, dict]]:
+    """One turn's actions played in order: each ``env.step`` result, checked (:func:`checked_step`), up to and
+    including the step that ends the episode. The one step loop of the rollout, the expert recorder and ``ragen
+    play``; an env that raises raises here, at that action."""
+    for action_id in action_ids:
+        result = checked_step(env, env.step(action_id))
+        yield result
+        if result[2] or result[3]:  # terminated or truncated: the actions after it are not played
+            return
 
 
 def checked_action_id(env: Any, text: str, action_id: Any) -> int | None:

@@ -11,11 +11,11 @@ from typing import Any
 
 from gymnasium import spaces
 
-from ragen.envs.base import TextEnv, build_config
+from ragen.envs.answer_env import SUBMIT, AnswerEnv  # noqa: F401  (SUBMIT: the one action id, importable here)
+from ragen.envs.base import build_config
 from ragen.envs.registry import register
 from ragen.envs.render import check_render_mode
 
-SUBMIT = 1
 REWARD_CORRECT = 1.0
 REWARD_WELL_FORMED = 0.1
 MAX_ANSWER_CHARS = 200
@@ -25,7 +25,7 @@ _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
 @register("countdown")
-class CountdownEnv(TextEnv):
+class CountdownEnv(AnswerEnv):
     """Combine the given numbers with + - * / and parentheses to reach a target.
 
     ## Description
@@ -78,8 +78,7 @@ class CountdownEnv(TextEnv):
         "+, -, *, / and parentheses, write an arithmetic expression whose value is the target. "
         "Answer with the expression only, for example <answer>(25 - 5) * 3</answer>."
     )
-    action_lookup = {SUBMIT: "submit"}
-    action_space = spaces.Discrete(1, start=1)
+    name = "countdown"
     observation_space = spaces.Text(min_length=0, max_length=512, charset=_CHARSET)
 
     @dataclass
@@ -108,16 +107,6 @@ class CountdownEnv(TextEnv):
         self.render_mode = check_render_mode("countdown", render_mode, self.metadata["render_modes"])
         self.numbers: list[int] = []
         self.target = 0
-        self._pending_answer: str | None = None
-        self._verdict = ""
-        self._done = True
-
-    def parse_action(self, text: str) -> int | None:
-        """Store ``text`` as the pending answer and return the submit id (None for blank text)."""
-        if not isinstance(text, str) or not text.strip():
-            return None
-        self._pending_answer = text
-        return SUBMIT
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -135,24 +124,17 @@ class CountdownEnv(TextEnv):
             self.numbers, self.target = list(numbers), target
         else:
             self.numbers, self.target = generate(self.np_random, self.config)
-        self._pending_answer = None
-        self._verdict = ""
-        self._done = False
+        self.begin_answer()
         return self.render(), {"numbers": list(self.numbers), "target": self.target}
 
-    def step(self, action):
-        action = self.check_action(action)
-        if self._done:
-            raise ValueError("countdown: episode is over; call reset()")
-        answer, self._pending_answer = self._pending_answer or "", None
+    def grade(self, answer: str) -> tuple[float, str, dict[str, Any]]:
         status = check_answer(answer, self.numbers, self.target)
         reward = {"correct": REWARD_CORRECT, "wrong": REWARD_WELL_FORMED, "malformed": 0.0}[status]
-        self._verdict = {
+        verdict = {
             "correct": "Correct!",
             "wrong": "Wrong: the expression does not equal the target.",
             "malformed": "Invalid: not an expression over the given numbers.",
         }[status]
-        self._done = True
         info = {
             "success": status == "correct",
             "action_is_valid": status != "malformed",
@@ -160,13 +142,10 @@ class CountdownEnv(TextEnv):
             "numbers": list(self.numbers),
             "target": self.target,
         }
-        return self.render(), reward, True, False, info
+        return reward, verdict, info
 
-    def render(self) -> str:
-        if not self.numbers:
-            return ""
-        text = f"Numbers: {self.numbers}. Target: {self.target}."
-        return f"{text}\n{self._verdict}" if self._verdict else text
+    def task_text(self) -> str:
+        return f"Numbers: {self.numbers}. Target: {self.target}." if self.numbers else ""
 
 
 #: Random expressions tried over each draw of numbers before drawing new numbers.

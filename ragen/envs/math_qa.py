@@ -13,11 +13,11 @@ from typing import Any
 
 from gymnasium import spaces
 
-from ragen.envs.base import TextEnv, build_config
+from ragen.envs.answer_env import SUBMIT, AnswerEnv  # noqa: F401  (SUBMIT: the one action id, importable here)
+from ragen.envs.base import build_config
 from ragen.envs.registry import register
 from ragen.envs.render import check_render_mode
 
-SUBMIT = 1
 #: Ten grade-school problems shipped with ragen (GSM8K format); the default ``path``.
 SAMPLE_PATH = str(Path(__file__).parent / "data" / "math_qa_sample.jsonl")
 
@@ -35,7 +35,7 @@ _CACHE: dict[tuple, list[tuple[str, str]]] = {}
 
 
 @register("math_qa")
-class MathQAEnv(TextEnv):
+class MathQAEnv(AnswerEnv):
     """Answer one math word problem; the answer is compared numerically.
 
     ## Description
@@ -86,8 +86,7 @@ class MathQAEnv(TextEnv):
         "Solve the math problem. Think step by step, then give only the final number as your answer, "
         "for example <answer>42</answer>."
     )
-    action_lookup = {SUBMIT: "submit"}
-    action_space = spaces.Discrete(1, start=1)
+    name = "math_qa"
 
     @dataclass
     class Config:
@@ -107,16 +106,6 @@ class MathQAEnv(TextEnv):
         longest, charset = _question_text(tuple(self.items))
         self.observation_space = spaces.Text(min_length=0, max_length=longest, charset=charset)
         self.index = -1
-        self._pending_answer: str | None = None
-        self._verdict = ""
-        self._done = True
-
-    def parse_action(self, text: str) -> int | None:
-        """Store ``text`` as the pending answer and return the submit id (None for blank text)."""
-        if not isinstance(text, str) or not text.strip():
-            return None
-        self._pending_answer = text
-        return SUBMIT
 
     @property
     def question(self) -> str:
@@ -134,27 +123,17 @@ class MathQAEnv(TextEnv):
         elif isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.items):
             raise ValueError(f"math_qa: options['index'] must be an int in 0..{len(self.items) - 1}, got {index!r}")
         self.index = index
-        self._pending_answer = None
-        self._verdict = ""
-        self._done = False
+        self.begin_answer()
         return self.render(), {"index": index}
 
-    def step(self, action):
-        action = self.check_action(action)
-        if self._done:
-            raise ValueError("math_qa: episode is over; call reset()")
-        answer, self._pending_answer = self._pending_answer or "", None
+    def grade(self, answer: str) -> tuple[float, str, dict[str, Any]]:
         valid = bool(answer.strip()) and (to_number(answer) is not None or to_number(self.gold_answer) is None)
         correct = answers_match(answer, self.gold_answer)
-        self._verdict = _VERDICTS[correct]
-        self._done = True
         info = {"success": correct, "action_is_valid": valid, "action_is_effective": valid, "index": self.index}
-        return self.render(), 1.0 if correct else 0.0, True, False, info
+        return 1.0 if correct else 0.0, _VERDICTS[correct], info
 
-    def render(self) -> str:
-        if self.index < 0:
-            return ""
-        return f"{self.question}\n{self._verdict}" if self._verdict else self.question
+    def task_text(self) -> str:
+        return self.question if self.index >= 0 else ""
 
 
 @lru_cache(maxsize=8)

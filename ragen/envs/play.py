@@ -23,9 +23,9 @@ from typing import Any, Callable
 import yaml
 
 import ragen.envs
-from ragen.envs.contract import checked_action_id, checked_reset, checked_step, instructions_problem
+from ragen.envs.contract import checked_action_id, checked_reset, instructions_problem, stepped
 from ragen.agent.context import PromptFormat
-from ragen.agent.rollout import AgentSettings
+from ragen.agent import AgentConfig
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAG = re.compile(r"<think>.*?</think>|</?answer>", re.DOTALL)
@@ -47,7 +47,7 @@ def parse_overrides(items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``key=value`` items into (env config, agent settings); ``ValueError`` naming a bad one."""
     env_cfg: dict[str, Any] = {}
     agent: dict[str, Any] = {}
-    known = {f.name for f in fields(AgentSettings)}
+    known = {f.name for f in fields(AgentConfig)}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -78,14 +78,14 @@ def preset_settings(env_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict((data.get("env") or {}).get("config") or {}), dict(data.get("agent") or {})
 
 
-def typed_settings(agent: dict[str, Any]) -> AgentSettings:
-    """``AgentSettings`` from ``agent``, each value checked against its field's type (``"3"`` becomes 3);
+def typed_settings(agent: dict[str, Any]) -> AgentConfig:
+    """``AgentConfig`` from ``agent``, each value checked against its field's type (``"3"`` becomes 3);
     ``ValueError`` naming the ``agent.KEY`` whose value does not fit."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AgentSettings), agent))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AgentConfig), agent))
     except OmegaConfBaseException as exc:
         raise ValueError(f"agent.{exc.key}: {str(exc).splitlines()[0]}") from None
 
@@ -108,7 +108,7 @@ def play(
     """Play one episode of ``env_name`` interactively; return ``success``, ``reward``, ``turns``, ``quit``.
 
     ``input_fn(prompt)`` returns one answer line (``EOFError`` or ``quit`` ends the game);
-    ``print_fn`` shows text. ``agent`` holds :class:`AgentSettings` overrides (without
+    ``print_fn`` shows text. ``agent`` holds :class:`AgentConfig` overrides (without
     ``max_turn``, the game runs until the env ends it, at most ``DEFAULT_MAX_TURN`` turns). Raises
     ``ValueError`` for an unknown env or a bad config (before anything is printed).
     """
@@ -154,17 +154,11 @@ def play(
             feedback = f"Your answer was invalid ({reason}); the state did not change."
             reward = settings.format_penalty
         else:
-            if actions_left is not None:
-                ids = ids[:actions_left]
-            for action_id in ids:
-                observation, r, terminated, truncated, info = checked_step(env, env.step(action_id))
+            for observation, r, terminated, truncated, info in stepped(env, ids if actions_left is None else ids[:actions_left]):
                 reward += float(r)
                 success = bool(info.get("success", False))
-                if actions_left is not None:
-                    actions_left -= 1
-                if terminated or truncated:
-                    done = True
-                    break
+                actions_left = None if actions_left is None else actions_left - 1
+                done = terminated or truncated
         total += reward
         if actions_left is not None and actions_left <= 0:
             done = True
@@ -194,5 +188,5 @@ def main_play(env_name: str, overrides: list[str], seed: int | None, input_fn=in
     agent.update(user_agent)
     try:
         return play(env_name, env_cfg, seed=seed, input_fn=input_fn, print_fn=print_fn, agent=agent)
-    except TypeError as exc:  # e.g. a wrong type inside AgentSettings / an env constructor
+    except TypeError as exc:  # e.g. a wrong type inside AgentConfig / an env constructor
         raise ValueError(str(exc)) from None

@@ -52,7 +52,7 @@ class EvalTarget:
     tag: str
     env: str
     env_config: dict
-    settings: Any  # ragen.agent.AgentSettings
+    settings: Any  # ragen.agent.AgentConfig
     episodes: int
 
 

@@ -135,7 +135,7 @@ def executed_actions(trajectory: Any, env: Any) -> list[list[int]]:
 
 def lake_optimality(trajectories: Sequence[Any], env_config: dict[str, Any], settings: Any) -> dict[str, Any] | None:
     """The optimality report of a FrozenLake evaluation's episodes (see the module docstring), or
-    None if there is nothing to score. ``settings`` is the validation set's ``AgentSettings``.
+    None if there is nothing to score. ``settings`` is the validation set's ``AgentConfig``.
 
     Raises ``RuntimeError`` if a replay does not reproduce an episode's outcome (the identity would
     then not hold, so no number is better than a wrong one).

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragen.config import (RUN_CONFIG_HEADER, ConfigError, LoraConfig, _friendly, _wrong_container, absolute_path,
+from ragen.config import (RUN_CONFIG_HEADER, AdamWConfig, ConfigError, LoraConfig, _friendly, _wrong_container, absolute_path,
                           checkpointing_setting,
                           builtin_model_names, flat_config, load_yaml_mapping, overrides_layer, resume_safe)
 from ragen.models.device import check_device_spec
@@ -36,23 +36,15 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTOptimConfig:
+class SFTOptimConfig(AdamWConfig):
     #: AdamW's peak learning rate (after warm-up).
     lr: float = 1e-4
-    #: AdamW's decoupled weight decay.
-    weight_decay: float = 0.0
-    #: AdamW's β1, β2.
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    #: Largest global gradient norm; larger gradients are scaled down to it.
-    grad_clip: float = 1.0
     #: Linear warm-up steps.
     warmup_steps: int = 10
     #: "cosine" (decay to ``min_lr_ratio * lr`` at the last step) or "constant" (after warm-up).
     schedule: str = "cosine"
     #: The cosine schedule's final rate, as a share of ``lr``.
     min_lr_ratio: float = 0.1
-    #: torch's fused AdamW where every trainable parameter allows it (see ``optim.fused`` of RL runs).
-    fused: bool = True
 
 
 @dataclass

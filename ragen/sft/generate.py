@@ -27,7 +27,7 @@ import numpy as np
 
 import ragen.envs
 from ragen.agent.parser import parse_response
-from ragen.agent.rollout import AgentSettings
+from ragen.agent import AgentConfig
 from ragen.config import RunConfig, load_config
 from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
 from ragen.envs.contract import EnvContractError
@@ -80,7 +80,7 @@ class ReplayAgent(Agent):
         return list(actions)
 
 
-def demo_target(config: RunConfig) -> tuple[str, dict, AgentSettings]:
+def demo_target(config: RunConfig) -> tuple[str, dict, AgentConfig]:
     """(env name, env config, agent settings) that demonstrations are played with: the run's
     training env exactly as ``ragen train`` would roll it out, i.e. its one ``es.train`` tag
     (with the tag's horizon and instructions) or, without tags, ``env`` and ``agent``."""
@@ -97,12 +97,12 @@ def demo_target(config: RunConfig) -> tuple[str, dict, AgentSettings]:
     return tag.env, dict(tag.config), settings
 
 
-def agent_settings(config: RunConfig) -> AgentSettings:
+def agent_settings(config: RunConfig) -> AgentConfig:
     """The rollout's agent settings for ``config`` (as :class:`ragen.train.trainer.StarPOTrainer` builds them)."""
     return demo_target(config)[2]
 
 
-def turn_actions(messages: list[dict], settings: AgentSettings) -> list[list[str]]:
+def turn_actions(messages: list[dict], settings: AgentConfig) -> list[list[str]]:
     """The actions of every assistant turn, parsed back with the rollout's parser."""
     out = []
     for message in messages:
@@ -146,7 +146,7 @@ def expert_records(config: RunConfig, n: int, *, keep_failures: bool = False, ma
     return _expert_episodes(config, env, settings, n, keep_failures, max_episodes, stats)
 
 
-def _expert_episodes(config: RunConfig, env: Any, settings: AgentSettings, n: int, keep_failures: bool,
+def _expert_episodes(config: RunConfig, env: Any, settings: AgentConfig, n: int, keep_failures: bool,
                      max_episodes: int | None, stats: dict) -> Iterator[dict]:
     expert = PlanningExpert(max_actions_per_turn=settings.max_actions_per_turn)
 
@@ -233,7 +233,7 @@ def _rollout_problem(logged: Any) -> str | None:
     return None
 
 
-def _replayed_rollouts(config: RunConfig, env: Any, settings: AgentSettings, logs: list[Path], n: int) -> Iterator[dict]:
+def _replayed_rollouts(config: RunConfig, env: Any, settings: AgentConfig, logs: list[Path], n: int) -> Iterator[dict]:
     seen: set[tuple] = set()
     kept = 0
     for log in logs:

@@ -3,7 +3,7 @@
 ``es.train`` / ``es.val`` name tags (``ragen/envs/tags.py``); a run without them is the
 one-tag case: the tag is named after ``env.name``, uses ``env.config`` and the ``agent``
 section unchanged, ``rollout.env_groups`` groups and ``trainer.val_episodes`` validation
-episodes. Each tag's :class:`AgentSettings` is the ``agent`` section with the tag's horizon
+episodes. Each tag's :class:`AgentConfig` is the ``agent`` section with the tag's horizon
 and prompt overrides on top.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import gymnasium as gym
 
-from ragen.agent import AgentSettings
+from ragen.agent import AgentConfig
 from ragen.config import RunConfig, user_tag_dicts
 from ragen.envs.tags import EnvTag, resolve_tag
 
@@ -23,7 +23,7 @@ class TagSet:
     """One tag of the run with its agent settings and its count (groups to train, or episodes to validate)."""
 
     tag: EnvTag
-    settings: AgentSettings
+    settings: AgentConfig
     count: int
 
     @property
@@ -38,7 +38,7 @@ class Slots:
     envs: list[gym.Env] = field(default_factory=list)
     env_names: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
-    settings: list[AgentSettings] = field(default_factory=list)
+    settings: list[AgentConfig] = field(default_factory=list)
 
     @classmethod
     def build(cls, sets: list[TagSet], episodes_per_unit: int, start: int = 0, end: int | None = None) -> "Slots":
@@ -63,9 +63,9 @@ class Slots:
         return len(self.envs)
 
 
-def tag_settings(config: RunConfig, tag: EnvTag) -> AgentSettings:
+def tag_settings(config: RunConfig, tag: EnvTag) -> AgentConfig:
     """The ``agent`` section with ``tag``'s horizon and prompt overrides."""
-    return AgentSettings(**{**asdict(config.agent), **tag.horizon()})
+    return AgentConfig(**{**asdict(config.agent), **tag.horizon()})
 
 
 def _single_tag(config: RunConfig) -> EnvTag:

@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ragen.agent import AgentSettings, Rollout, Trajectory
+from ragen.agent import AgentConfig, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
 from ragen.engines import SamplingParams
 from ragen.models import HFBackend, apply_lora, load_model
@@ -112,7 +112,7 @@ class RolloutWorker:
         self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         backend = HFBackend.from_config(model, tokenizer, config)
-        self.rollout = Rollout(backend, tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams(),
+        self.rollout = Rollout(backend, tokenizer, AgentConfig(**asdict(config.agent)), SamplingParams(),
                                max_in_flight=config.rollout.max_episodes_in_flight)
         self.slots = build_slots(config, start, end)
         self.val_slots = Slots.build(val_sets(config), 1, val_start, val_end)  # one env per validation episode

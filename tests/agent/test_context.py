@@ -6,7 +6,7 @@ import gymnasium as gym
 import pytest
 from gymnasium import spaces
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.envs.base import TextEnv
 from ragen.models.backend import Generation, SamplingParams
 
@@ -72,7 +72,7 @@ def template_tokenizer(request, tokenizer):
 def test_mask_marks_exactly_the_sampled_tokens(template_tokenizer, eos):
     name, tok = template_tokenizer
     backend = ScriptedBackend(tok, REPLIES, eos=eos)
-    settings = AgentSettings(max_turn=3, max_actions_per_turn=2, system_prompt="" if name == "inst" else "Be brief.")
+    settings = AgentConfig(max_turn=3, max_actions_per_turn=2, system_prompt="" if name == "inst" else "Be brief.")
     [traj] = Rollout(backend, tok, settings, SamplingParams()).run([WalkEnv()], [0], [0], "walk")
 
     assert traj.success and len(traj.turns) == 3
@@ -95,7 +95,7 @@ def test_mask_marks_exactly_the_sampled_tokens(template_tokenizer, eos):
 
 def test_invalid_answer_costs_format_penalty_and_keeps_state(tokenizer):
     backend = ScriptedBackend(tokenizer, ["nonsense", "<think>t</think><answer>Jump</answer>"], eos=True)
-    [traj] = Rollout(backend, tokenizer, AgentSettings(max_turn=2), SamplingParams()).run([WalkEnv()], [0], [0], "walk")
+    [traj] = Rollout(backend, tokenizer, AgentConfig(max_turn=2), SamplingParams()).run([WalkEnv()], [0], [0], "walk")
     assert [t.format_valid for t in traj.turns] == [False, False]
     assert [t.reward for t in traj.turns] == [-0.1, -0.1]
     assert "unknown action 'Jump'" in traj.turns[1].info["format_error"]
@@ -109,7 +109,7 @@ class BrokenEnv(WalkEnv):
 
 def test_env_that_raises_is_reported_not_fatal(tokenizer):
     backend = ScriptedBackend(tokenizer, ["<think>t</think><answer>Right</answer>"] * 3, eos=True)
-    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=2), SamplingParams()).run(
+    trajs = Rollout(backend, tokenizer, AgentConfig(max_turn=2), SamplingParams()).run(
         [BrokenEnv(), WalkEnv()], [0, 0], [0, 0], "walk"
     )
     assert "boom" in trajs[0].error and trajs[0].done

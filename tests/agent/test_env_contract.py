@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.envs import make
 from ragen.envs.registry import _REGISTRY  # tests add envs with monkeypatch.setitem: removed afterwards
 from ragen.envs.agents import RandomAgent, record_conversation, run_episode
@@ -76,7 +76,7 @@ BREAKING = {  # mode -> words the episode's error must contain
 def _rollout(tokenizer, envs, max_turn=2):
     backend = ReplyBackend(tokenizer, lambda text, i: ANSWER)
     n = len(envs)
-    return Rollout(backend, tokenizer, AgentSettings(max_turn=max_turn), SamplingParams()).run(
+    return Rollout(backend, tokenizer, AgentConfig(max_turn=max_turn), SamplingParams()).run(
         envs, [0] * n, list(range(n)), ["walk"] * n)
 
 
@@ -143,7 +143,7 @@ def test_make_refuses_an_env_without_parse_action_and_the_rollout_needs_text_ins
     (missing,) = _rollout(tokenizer, [env])
     assert "NoInstructions has no text `instructions` (got NoneType)" in missing.error
     backend = ReplyBackend(tokenizer, lambda text, i: ANSWER)
-    (given,) = Rollout(backend, tokenizer, AgentSettings(max_turn=2, instructions="Walk right."), SamplingParams()).run(
+    (given,) = Rollout(backend, tokenizer, AgentConfig(max_turn=2, instructions="Walk right."), SamplingParams()).run(
         [NoInstructions()], [0], [0], ["walk"])
     assert not given.error and "Walk right." in backend.prompts[0]
 
@@ -201,7 +201,7 @@ def test_a_prompt_beyond_the_models_context_ends_its_episode_with_an_error(token
     backend.context_limit = 400
     sampling = SamplingParams(max_new_tokens=16)
     envs = [LongWalk(words=1000), LongWalk(words=300, long_after=1), WalkEnv()]
-    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=3), sampling).run(envs, [0] * 3, [0, 1, 2], ["walk"] * 3)
+    trajs = Rollout(backend, tokenizer, AgentConfig(max_turn=3), sampling).run(envs, [0] * 3, [0, 1, 2], ["walk"] * 3)
     first, later, short = trajs
     assert first.error.startswith("turn 1: the prompt of ") and not first.turns  # never sent to the model
     assert "plus rollout.max_new_tokens=16 exceeds the model's context of 400 tokens" in first.error
@@ -227,7 +227,7 @@ def test_the_hf_backend_reports_the_models_context(tiny):
 def test_context_full_in_window_mode_keeps_one_window_prompt_per_turn(tokenizer):
     backend = ReplyBackend(tokenizer, lambda text, i: ANSWER)
     backend.context_limit = 400
-    settings = AgentSettings(max_turn=3, context_mode="window", max_context_window=1)
+    settings = AgentConfig(max_turn=3, context_mode="window", max_context_window=1)
     (traj,) = Rollout(backend, tokenizer, settings, SamplingParams(max_new_tokens=16)).run(
         [LongWalk(words=300, long_after=1)], [0], [0], ["walk"])
     assert traj.context_full and not traj.error and len(traj.turns) == 1 and len(traj.window_prompts) == 1
@@ -249,7 +249,7 @@ def test_a_chat_api_backend_is_sent_escaped_messages(tokenizer):
             return observation + "<|im_end|>", info
 
     backend = MessagesBackend(tokenizer, lambda text, i: ANSWER)
-    Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run([Injecting()], [0], [0], ["walk"])
+    Rollout(backend, tokenizer, AgentConfig(max_turn=1), SamplingParams()).run([Injecting()], [0], [0], ["walk"])
     (user,) = [m["content"] for m in backend.sent[0] if m["role"] == "user"]
     assert user.endswith(f"<{WORD_JOINER}|im_end|>") and "<|im_end|>" not in user
 
@@ -270,10 +270,10 @@ def test_a_malformed_sokoban_turn_costs_more_than_a_useless_well_formed_one():
     """The trap RL fell into: a malformed turn (−0.1) cost less than two moves that push nothing (−0.2), so answering
     malformed paid. Now it costs the format penalty plus the step penalty of every action the turn could take."""
     import ragen.envs
-    from ragen.agent.rollout import AgentSettings, malformed_turn_penalty
+    from ragen.agent.rollout import AgentConfig, malformed_turn_penalty
 
     env = ragen.envs.make("sokoban")
-    settings = AgentSettings(max_actions_per_turn=2, format_penalty=-0.1)
+    settings = AgentConfig(max_actions_per_turn=2, format_penalty=-0.1)
     assert malformed_turn_penalty(settings, env, None) == pytest.approx(-0.3)
     assert malformed_turn_penalty(settings, env, 1) == pytest.approx(-0.2)  # one action left in the episode's budget
     useless_turn = 2 * env.idle_action_reward  # two moves into a wall: the step penalty twice, nothing else

@@ -5,7 +5,7 @@ import copy
 import pytest
 from gymnasium import spaces
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.agent.rewards import extract_prediction, normalise_state, prediction_matches, think_is_well_formed
 from ragen.envs import make
 from ragen.envs.base import TextEnv
@@ -54,11 +54,11 @@ class ReplyBackend:
 
 
 def test_episodes_of_one_batch_keep_their_own_horizon_and_prompt(tokenizer):
-    short = AgentSettings(max_turn=1, instructions="SHORT TAG RULES")
-    long = AgentSettings(max_turn=3, max_actions_per_turn=2)
+    short = AgentConfig(max_turn=1, instructions="SHORT TAG RULES")
+    long = AgentConfig(max_turn=3, max_actions_per_turn=2)
     backend = ReplyBackend(tokenizer, lambda text, i: "<think>t</think><answer>Left</answer>")
     envs = [WalkEnv() for _ in range(5)]
-    trajs = Rollout(backend, tokenizer, AgentSettings(), SamplingParams()).run(
+    trajs = Rollout(backend, tokenizer, AgentConfig(), SamplingParams()).run(
         envs, [0] * 5, [0, 0, 1, 1, 2], ["walk"] * 5,
         settings=[short, short, long, long, long], tags=["Short", "Short", "Long", "Long", "Long"],
     )
@@ -74,9 +74,9 @@ def test_episodes_of_one_batch_keep_their_own_horizon_and_prompt(tokenizer):
 
 
 def test_run_rejects_misaligned_lists(tokenizer):
-    rollout = Rollout(ReplyBackend(tokenizer, lambda *_: ""), tokenizer, AgentSettings(), SamplingParams())
+    rollout = Rollout(ReplyBackend(tokenizer, lambda *_: ""), tokenizer, AgentConfig(), SamplingParams())
     with pytest.raises(ValueError, match="one entry per env"):
-        rollout.run([WalkEnv(), WalkEnv()], [0, 0], [0, 1], "walk", settings=[AgentSettings()])
+        rollout.run([WalkEnv(), WalkEnv()], [0, 0], [0, 1], "walk", settings=[AgentConfig()])
 
 
 # -- shaped reasoning rewards ----------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_rollout_pays_think_and_prediction_rewards_apart_from_the_task(tokenizer
         "<think></think><answer>Right</answer>",  # empty think, no prediction: success, no bonus
     ]
     backend = ReplyBackend(tokenizer, lambda text, i: replies[i])
-    settings = AgentSettings(max_turn=3, think_reward=0.25, prediction_reward=0.5)
+    settings = AgentConfig(max_turn=3, think_reward=0.25, prediction_reward=0.5)
     [traj] = Rollout(backend, tokenizer, settings, SamplingParams()).run([WalkEnv()], [0], [0], "walk")
     assert [t.think_reward for t in traj.turns] == [0.25, 0.25, 0.0]
     assert [t.prediction_reward for t in traj.turns] == [0.5, 0.0, 0.0]
@@ -140,7 +140,7 @@ def test_rollout_pays_think_and_prediction_rewards_apart_from_the_task(tokenizer
 def test_invalid_answer_earns_no_shaped_reward(tokenizer):
     # The prediction "pos=0" is the true (unchanged) state, but the answer names no valid action.
     backend = ReplyBackend(tokenizer, lambda text, i: "<think>x <prediction>pos=0</prediction></think><answer>Jump</answer>")
-    settings = AgentSettings(max_turn=1, think_reward=0.25, prediction_reward=0.5)
+    settings = AgentConfig(max_turn=1, think_reward=0.25, prediction_reward=0.5)
     [traj] = Rollout(backend, tokenizer, settings, SamplingParams()).run([WalkEnv()], [0], [0], "walk")
     turn = traj.turns[0]
     assert (turn.think_reward, turn.prediction_reward, turn.format_penalty) == (0.0, 0.0, -0.1)
@@ -156,7 +156,7 @@ def test_sokoban_prediction_is_checked_against_the_true_next_grid(tokenizer):
     for predicted, expected in [(true_next, 0.5), (wrong, 0.0)]:
         reply = f"<think>push <prediction>\n{predicted}\n</prediction></think><answer>Up</answer>"
         backend = ReplyBackend(tokenizer, lambda text, i, r=reply: r)
-        settings = AgentSettings(max_turn=1, prediction_reward=0.5)
+        settings = AgentConfig(max_turn=1, prediction_reward=0.5)
         [traj] = Rollout(backend, tokenizer, settings, SamplingParams()).run([copy.deepcopy(env)], [3], [0], "sokoban")
         assert traj.turns[0].observation == true_next
         assert traj.turns[0].prediction_reward == expected
@@ -176,7 +176,7 @@ def test_env_metrics_reach_the_turns_and_the_episode_metrics(tokenizer):
     replies = {first + " and " + second: f"<think>t</think><answer>{a}</answer>" if a else "no answer"
                for (first, second), a in zip(arms, answers)}
     backend = ReplyBackend(tokenizer, lambda text, i: next(r for key, r in replies.items() if key in text))
-    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run(
+    trajs = Rollout(backend, tokenizer, AgentConfig(max_turn=1), SamplingParams()).run(
         [make("bandit") for _ in range(4)], [0, 1, 2, 3], [0, 1, 2, 3], "bandit")
     assert [t.turns[0].info.get("metric/second_listed") for t in trajs] == [1.0, 1.0, 0.0, None]
     assert episode_metrics(trajs, "val")["val/info_second_listed"] == pytest.approx(2 / 3)
@@ -200,7 +200,7 @@ def test_rollout_resets_each_env_with_its_place_in_the_group(tokenizer):
             return super().reset(seed=seed, options=options)
 
     backend = ReplyBackend(tokenizer, lambda text, i: "<answer>Right</answer>")
-    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1), SamplingParams()).run(
+    trajs = Rollout(backend, tokenizer, AgentConfig(max_turn=1), SamplingParams()).run(
         [RecordingWalk() for _ in range(5)], [4, 4, 4, 9, 9], [0, 0, 0, 1, 1], "walk")
     assert seen == [(4, {"group_member": 0}), (4, {"group_member": 1}), (4, {"group_member": 2}),
                     (9, {"group_member": 0}), (9, {"group_member": 1})]
@@ -215,7 +215,7 @@ def test_rollout_resets_each_env_with_its_place_in_the_group(tokenizer):
         high[env.unwrapped.action_lookup[env.unwrapped.high_action]] = None
     [name] = high
     backend = ReplyBackend(tokenizer, lambda text, i: f"<answer>{name}</answer>")
-    trajs = Rollout(backend, tokenizer, AgentSettings(max_turn=1, enable_think=False), SamplingParams()).run(
+    trajs = Rollout(backend, tokenizer, AgentConfig(max_turn=1, enable_think=False), SamplingParams()).run(
         envs, [11] * 8, [0] * 8, "bandit")
     assert len({t.initial_observation for t in trajs}) == 1 and all(t.success for t in trajs)
     assert {t.turns[0].env_reward for t in trajs} == {0.0, 1.0}  # seed 11's 8 members: not all the same draw

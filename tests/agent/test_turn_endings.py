@@ -3,7 +3,7 @@ and how many actions an episode really ran."""
 
 import pytest
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.agent.rollout import through_stop
 from ragen.eval.metrics import episode_metrics
 from ragen.models.backend import Generation, SamplingParams
@@ -43,7 +43,7 @@ def test_the_next_prompt_closes_the_reply_after_the_end_token_the_model_sampled(
     end = tokenizer.convert_tokens_to_ids(end_token)
     assert tokenizer.eos_token == "<|im_end|>" and end is not None
     reply = ids(tokenizer, "<think>t</think><answer>Right</answer>") + [end]
-    (traj,), backend = run(tokenizer, [(reply, "eos"), (reply, "eos")], AgentSettings(max_turn=2))
+    (traj,), backend = run(tokenizer, [(reply, "eos"), (reply, "eos")], AgentConfig(max_turn=2))
     _, span_end = traj.turn_spans[0]
     after = tokenizer.decode(traj.input_ids[span_end - 1 : span_end + 6], skip_special_tokens=False)
     if end_token == "<|im_end|>":
@@ -58,11 +58,11 @@ def test_text_after_the_stop_string_inside_the_last_token_is_not_part_of_the_ans
     read up to the stop string, so a correct answer is not a format error."""
     reply = ids(tokenizer, "<think>t</think><answer>Right</answer>.")
     assert tokenizer.convert_ids_to_tokens(reply)[-1] == ">."  # the stop string ends inside this token
-    (traj,), _ = run(tokenizer, [(reply, "stop")], AgentSettings(max_turn=1), stop=["</answer>"])
+    (traj,), _ = run(tokenizer, [(reply, "stop")], AgentConfig(max_turn=1), stop=["</answer>"])
     assert traj.turns[0].format_valid and traj.turns[0].actions == ["Right"]
     assert traj.turns[0].response.endswith("</answer>.")  # the turn keeps what the model wrote
     # without a stop (the reply ended another way) trailing text still breaks the format
-    (traj,), _ = run(tokenizer, [(reply, "length")], AgentSettings(max_turn=1), stop=["</answer>"])
+    (traj,), _ = run(tokenizer, [(reply, "length")], AgentConfig(max_turn=1), stop=["</answer>"])
     assert not traj.turns[0].format_valid
 
 
@@ -81,7 +81,7 @@ def test_actions_per_episode_counts_the_actions_the_env_ran(tokenizer):
     """``actions_per_episode`` counts executed actions, as the baselines do: an action past ``max_actions_per_traj`` is
     written but not run (it used to be counted)."""
     right2 = ids(tokenizer, "<think>t</think><answer>Right || Right</answer>")
-    settings = AgentSettings(max_turn=3, max_actions_per_turn=2, max_actions_per_traj=3)
+    settings = AgentConfig(max_turn=3, max_actions_per_turn=2, max_actions_per_traj=3)
     (traj,), _ = run(tokenizer, [(right2, "stop"), (right2, "stop")], settings)
     # turn 1 runs both; turn 2 may run one more (the budget of 3): the second action of turn 2 never runs
     assert [t.actions_executed for t in traj.turns] == [2, 1]

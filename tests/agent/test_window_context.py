@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ragen.agent import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.agent.rollout import window_messages
 from ragen.models.backend import SamplingParams
 from ragen.train.batch import collate, collate_turns
@@ -14,7 +14,7 @@ REPLIES = ["<answer>Right</answer>", "garbage", "<answer>Right</answer>", "<answ
 
 def play(tokenizer, window: int, replies=REPLIES, mode: str = "window"):
     backend = ScriptedBackend(tokenizer, replies, eos=True)
-    settings = AgentSettings(max_turn=len(replies), enable_think=False, context_mode=mode, max_context_window=window)
+    settings = AgentConfig(max_turn=len(replies), enable_think=False, context_mode=mode, max_context_window=window)
     [traj] = Rollout(backend, tokenizer, settings, SamplingParams()).run([WalkEnv()], [0], [0], "walk")
     return traj, backend
 

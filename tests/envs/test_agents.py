@@ -116,10 +116,10 @@ def test_expert_without_solver_raises_naming_the_hook():
 def test_record_conversation_is_the_rollouts_chat_with_the_expert_answering():
     from ragen.agent.context import PromptFormat
     from ragen.agent.parser import parse_response
-    from ragen.agent.rollout import AgentSettings
+    from ragen.agent import AgentConfig
     from ragen.envs.agents import record_conversation
 
-    settings = AgentSettings(max_turn=5, max_actions_per_turn=2, max_actions_per_traj=10)
+    settings = AgentConfig(max_turn=5, max_actions_per_turn=2, max_actions_per_traj=10)
     env = ragen.envs.make("sokoban")
     seed = next(s for s in range(100) if env.reset(seed=s) and len(solve_sokoban(env)) >= 4)
     convo = record_conversation(env, ExpertAgent(max_actions_per_turn=2), seed=seed, settings=settings)

@@ -168,9 +168,9 @@ def test_on_slippery_ice_the_estimate_is_unbiased(kind):
 
 
 def test_lake_optimality_reads_rollout_trajectories_and_rejects_a_wrong_replay():
-    from ragen.agent.rollout import AgentSettings
+    from ragen.agent import AgentConfig
 
-    settings_ = AgentSettings(max_turn=6, max_actions_per_turn=2, max_actions_per_traj=8)
+    settings_ = AgentConfig(max_turn=6, max_actions_per_turn=2, max_actions_per_traj=8)
     trajs = []
     for seed in range(5):
         boards: list[str] = []

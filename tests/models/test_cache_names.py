@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from ragen.agent.rollout import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.envs.registry import make
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -24,7 +24,7 @@ def test_kept_cache_rollout_and_shared_prompt_update_raise_no_deprecation_warnin
     model, tokenizer = load_model("tiny")
     backend = HFBackend(model, tokenizer, precision="fp32", reuse_kv=True)
     sampling = SamplingParams(max_new_tokens=8, do_sample=False, stop=("</answer>",))
-    rollout = Rollout(backend, tokenizer, AgentSettings(max_turn=2), sampling)
+    rollout = Rollout(backend, tokenizer, AgentConfig(max_turn=2), sampling)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trajs = rollout.run([make("sokoban") for _ in range(2)], [1, 1], [0, 0], "sokoban")

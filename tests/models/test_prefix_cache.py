@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ragen.agent.rollout import AgentSettings, Rollout
+from ragen.agent import AgentConfig, Rollout
 from ragen.envs.registry import make
 from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
@@ -125,7 +125,7 @@ def test_a_budget_bounds_the_kept_caches_and_plays_the_same_tokens(tiny, monkeyp
 
 
 def test_window_prompts_keep_no_cache(tiny, monkeypatch):
-    settings = AgentSettings(max_turn=3, context_mode="window", max_context_window=1)
+    settings = AgentConfig(max_turn=3, context_mode="window", max_context_window=1)
     model, tokenizer = tiny
     backend = HFBackend(model, tokenizer, precision="fp32")
     puts = []
@@ -299,7 +299,7 @@ def test_waves_play_the_same_episodes_with_fewer_caches_in_flight(tiny):
         real = backend.generate
         backend.generate = lambda prompts, params: sizes.append(len(prompts)) or real(prompts, params)
         sampling = SamplingParams(max_new_tokens=20, do_sample=False, stop=("</answer>",))
-        rollout = Rollout(backend, tokenizer, AgentSettings(max_turn=4, max_actions_per_turn=2), sampling,
+        rollout = Rollout(backend, tokenizer, AgentConfig(max_turn=4, max_actions_per_turn=2), sampling,
                           max_in_flight=max_in_flight)
         seeds = [1, 1, 1, 2, 2, 3]
         return rollout.run([make("sokoban") for _ in seeds], seeds, [0, 0, 0, 1, 1, 2], "sokoban"), backend
@@ -313,4 +313,4 @@ def test_waves_play_the_same_episodes_with_fewer_caches_in_flight(tiny):
     assert waves.stats.reused_tokens == all_at_once.stats.reused_tokens > 0  # every wave kept its caches
     assert waves.prefix_cache.peak_nbytes < all_at_once.prefix_cache.peak_nbytes
     with pytest.raises(ValueError, match="max_in_flight"):
-        Rollout(waves, tokenizer, AgentSettings(), SamplingParams(), max_in_flight=-1)
+        Rollout(waves, tokenizer, AgentConfig(), SamplingParams(), max_in_flight=-1)

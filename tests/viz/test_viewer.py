@@ -216,7 +216,7 @@ def _write_run(run: Path, tokenizer, preset, overrides=(), seeds_per_group=(3, 8
     """A run dir as the trainer writes it: config.yaml and one rollouts file, from a real Rollout."""
     from dataclasses import asdict
 
-    from ragen.agent import AgentSettings, Rollout
+    from ragen.agent import AgentConfig, Rollout
     from ragen.config import load_config, to_yaml
     from ragen.models.backend import SamplingParams
     from ragen.train.env_sets import Slots, train_sets
@@ -227,7 +227,7 @@ def _write_run(run: Path, tokenizer, preset, overrides=(), seeds_per_group=(3, 8
     n_groups = len(slots) // size
     seeds = [seeds_per_group[g % len(seeds_per_group)] + g for g in range(n_groups) for _ in range(size)]
     groups = [g for g in range(n_groups) for _ in range(size)]
-    rollout = Rollout(ScriptedBackend(tokenizer), tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+    rollout = Rollout(ScriptedBackend(tokenizer), tokenizer, AgentConfig(**asdict(config.agent)), SamplingParams())
     trajs = rollout.run(slots.envs, seeds, groups, slots.env_names, settings=slots.settings, tags=slots.tags)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(to_yaml(config))

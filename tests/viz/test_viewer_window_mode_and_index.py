@@ -27,14 +27,14 @@ def _play(run: Path, tokenizer, overrides, log_windows=False, spans=True):
     ``log_windows``: also log each turn's window prompt as decoded tokens (``window_prompts``) and, with ``spans``,
     ``turn_spans``, as the trainer's records carry them; without, a log written before they were recorded.
     """
-    from ragen.agent import AgentSettings, Rollout
+    from ragen.agent import AgentConfig, Rollout
     from ragen.config import load_config, to_yaml
     from ragen.models.backend import SamplingParams
     from ragen.train.env_sets import Slots, train_sets
 
     config = load_config("sokoban", ["rollout.env_groups=1", "rollout.group_size=1", "agent.max_turn=3", *overrides])
     slots = Slots.build(train_sets(config), config.rollout.group_size)
-    rollout = Rollout(ScriptedBackend(tokenizer, REPLIES), tokenizer, AgentSettings(**asdict(config.agent)), SamplingParams())
+    rollout = Rollout(ScriptedBackend(tokenizer, REPLIES), tokenizer, AgentConfig(**asdict(config.agent)), SamplingParams())
     trajs = rollout.run(slots.envs, [5], [0], slots.env_names, settings=slots.settings, tags=slots.tags)
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(to_yaml(config))
