@@ -42,12 +42,13 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """``(mean, low, high)``: the mean of ``values`` with its 95 % Student-t interval (``low = high = mean`` for one value)."""
+    """``(mean, low, high)``: the mean of ``values`` with its 95 % Student-t interval (``low`` and ``high`` NaN for
+    one value: one seed says nothing about the spread between seeds)."""
     if not values:
         raise ValueError("no values")
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return mean, mean, mean
+        return mean, math.nan, math.nan
     half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
 

@@ -134,13 +134,13 @@ def format_table(results: list[SeedResult]) -> str:
     lines.append("")
     gains = [r.gain for r in results]
     mean, low, high = mean_interval(gains)
-    lines.append(f"all: mean gain {mean:+.3f} (95 % CI {low:+.3f} to {high:+.3f}, {len(gains)} seeds), "
+    lines.append(f"all: mean gain {mean:+.3f} ({interval_text(low, high)}, {len(gains)} seed{'s' if len(gains) > 1 else ''}), "
                  f"min {min(gains):+.3f}, mean end {sum(r.after['all'] for r in results) / len(results):.3f}")
     for tag in tags:
         tag_gains = [r.after[tag] - r.before[tag] for r in results if tag in r.after and tag in r.before]
         if tag_gains:
             mean, low, high = mean_interval(tag_gains)
-            lines.append(f"{tag}: mean gain {mean:+.3f} (95 % CI {low:+.3f} to {high:+.3f}), min {min(tag_gains):+.3f}")
+            lines.append(f"{tag}: mean gain {mean:+.3f} ({interval_text(low, high)}), min {min(tag_gains):+.3f}")
     for key in infos:
         values = [r.info_after[key] for r in results if key in r.info_after]
         lines.append(f"{key} at the end: {min(values):.2f} to {max(values):.2f}")
@@ -163,3 +163,10 @@ def sweep(preset: str, seeds: list[int], out: Path, overrides: list[str], log=pr
             log(f"[sweep] seed {seed}: done in {time.perf_counter() - start:.0f} s")
         results.append(read_run(run_dir, seed))
     return results
+
+
+def interval_text(low: float, high: float) -> str:
+    """``95 % CI low to high``, or that one seed gives no interval."""
+    if math.isnan(low):
+        return "no interval from one seed"
+    return f"95 % CI {low:+.3f} to {high:+.3f}"
