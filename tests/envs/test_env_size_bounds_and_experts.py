@@ -116,7 +116,8 @@ def test_lake_infinite_horizon_policy_is_as_good_as_before_the_rewrite_and_no_sl
     """``solve`` takes, among the optimal actions, those that end the episode soonest: its policy is optimal -- its
     exact success probability from every state is the reference policy's (optimal on these maps) within 1e-12 -- and
     ends the episode in no more expected moves."""
-    from ragen.envs.frozen_lake import LakeModel, _expected_moves, _goal_reachers, _policy_values
+    from ragen.envs.frozen_lake import LakeModel
+    from ragen.envs.frozen_lake.policy_iteration import _expected_moves, _goal_reachers, _policy_values
 
     env = ragen.envs.make("frozen_lake", size=size, is_slippery=True)
     env.reset(seed=seed)

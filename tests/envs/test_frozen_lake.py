@@ -384,15 +384,16 @@ def test_random_map_is_gymnasiums_map_and_gives_up_instead_of_hanging():
 
 
 def _reference_value_iteration(model, tol=1e-12, max_iters=100_000, long_tol=1e-15, long_iters=300_000):
-    """REFERENCE ONLY (not the solver): the value iteration ``frozen_lake._value_iteration`` did before policy
-    iteration replaced it, copied as it was, run on past its stopping point to a tighter one.
+    """REFERENCE ONLY (not the solver): plain value iteration from 0 with a stopping rule of ``tol``, and the same
+    iteration run on past that point to a tighter one.
 
-    Returns ``(old, long)``: ``old = (values, policy, converged)``, what the old code returned (``converged``:
+    Returns ``(old, long)``: ``old = (values, policy, converged)``, what it returns at ``tol`` (``converged``:
     a sweep changed nothing by ``tol`` before the ``max_iters`` cap); ``long = (values, converged)``, the same
     iteration continued until a sweep changes nothing by ``long_tol`` (at most ``long_iters`` sweeps): value
     iteration from 0 creeps up on the optimum, and "changes nothing by 1e-12" left it up to ~4e-9 short.
     """
-    from ragen.envs.frozen_lake import _first_best, _rank_towards_goal
+    from ragen.envs.frozen_lake.model import _first_best
+    from ragen.envs.frozen_lake.policy_iteration import _rank_towards_goal
 
     n_states = len(model.goal)
     values = np.zeros(n_states)
@@ -417,7 +418,7 @@ def _fastest_reference(model, policy):
     """``(live, values, moves)`` of a policy (gym ids): the live states (those that can reach G at all), the
     policy's exact success probabilities and its expected moves until the episode ends (G, a hole, or a move off
     the live states), both by a linear solve over the live states, after checking the policy is proper on them."""
-    from ragen.envs.frozen_lake import _goal_reachers, _policy_values
+    from ragen.envs.frozen_lake.policy_iteration import _goal_reachers, _policy_values
 
     live = _goal_reachers(model)[0]
     assert np.all(_goal_reachers(model, policy)[0][live])  # from every live state G has a chance
