@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ragen.files import atomic_open, file_in_the_way
-from ragen.viz.viewer import json_number, read_jsonl
+from ragen.viz.page import json_number, read_jsonl
 
 __all__ = ["PANELS", "load_curves", "plot_runs"]
 

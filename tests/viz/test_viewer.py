@@ -10,7 +10,8 @@ import pytest
 
 from ragen.cli import main
 from ragen.config import RUN_CONFIG_HEADER
-from ragen.viz.viewer import build_site, parse_grid, split_response
+from ragen.viz.episode_html import parse_grid, split_response
+from ragen.viz.viewer import build_site
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -385,7 +386,7 @@ def test_sokoban_frames_in_headless_chromium(sokoban_run, tmp_path):
 
 
 def test_episodes_left_out_of_the_update_are_not_shown_as_trained():
-    from ragen.viz.viewer import _adv_scale, render_tokens
+    from ragen.viz.episode_html import _adv_scale, render_tokens
 
     traj = {"tokens": ["a", "b"], "loss_mask": [0, 1], "advantages": [0.0, 0.0], "in_update": False}
     html = render_tokens(traj, 1.0)

@@ -4,7 +4,8 @@ import json
 import os
 import re
 
-from ragen.viz.viewer import build_site, e
+from ragen.viz.page import e
+from ragen.viz.viewer import build_site
 
 # Every Unicode bidirectional control ("Trojan Source", CVE-2021-42574): ALM, LRM, RLM, LRE..RLO, LRI..PDI.
 BIDI = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from ragen.viz.viewer import build_site, render_tokens
+from ragen.viz.episode_html import render_tokens
+from ragen.viz.viewer import build_site
 
 
 def _run(root, name="run", rows=({"step": 1, "train/success": 0.5},), trajs=()):
@@ -142,7 +143,8 @@ def test_an_integer_too_large_for_a_float_is_an_infinite_value_not_a_crash(tmp_p
 
 
 def test_only_step_files_are_read_and_a_byte_order_mark_loses_no_line(tmp_path):
-    from ragen.viz.viewer import _rollout_files, read_jsonl
+    from ragen.viz.page import read_jsonl
+    from ragen.viz.viewer import _rollout_files
 
     run = _run(tmp_path, trajs=[{"env": "bandit", "turns": []}])
     (run / "rollouts" / "backup_step_000001.jsonl").write_text("{}\n")  # a user's copy: not step 1's log
