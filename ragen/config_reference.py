@@ -47,7 +47,7 @@ def _own_field_comments(cls: type) -> dict[str, str]:
 def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return tp.__name__
-    text = re.sub(r"\b(?:typing|ragen\.config)\.", "", str(tp))
+    text = re.sub(r"\b(?:typing|ragen\.config_schema|ragen\.config)\.", "", str(tp))
     return re.sub(r"\bOptional\[(.+)\]", r"\1 | None", text).replace("|", "\\|")
 
 
