@@ -42,6 +42,9 @@ class Generation:
     token_ids: list[int]
     #: "eos" (sampled an EOS token; it is included), "stop" (completed a stop string), or "length".
     finish_reason: str
+    #: Per token of ``token_ids``, the log-probability the engine sampled it with (``log softmax(z / T)`` at the token
+    #: with top-k and top-p off); None where the engine does not report them (greedy decoding, some engines).
+    logprobs: list[float] | None = None
 
 
 @runtime_checkable

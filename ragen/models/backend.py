@@ -313,6 +313,10 @@ class HFBackend:
             self.fused.call_new_tokens = None
         width = input_ids.shape[1]
         generations = [self._cut(ids, params) for ids in out.sequences[:, width:].tolist()]  # (B, N)
+        if sampler and sampler.drawn_logprobs:  # (N, B): step k's draw is every row's k-th new token
+            drawn = torch.stack(sampler.drawn_logprobs).T.tolist()  # (B, N)
+            for generation, row in zip(generations, drawn):
+                generation.logprobs = row[: len(generation.token_ids)]
         if keeping:
             self._keep(out.cache if isinstance(out, DecodeOutput) else output_cache(out), prompts, attention_mask, generations)
         return generations

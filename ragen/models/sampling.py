@@ -129,6 +129,9 @@ class InverseCDFSampler(LogitsProcessor):
         self.warpers = LogitsProcessorList(warpers)  # empty: T is applied inside the exp
         self.generator = generator
         self._buffer: torch.Tensor | None = None
+        #: Per drawn step, ``(B,)`` fp32: log of the drawn token's probability under the distribution it was drawn
+        #: from (softmax of the warped scores; with top-k and top-p off, ``log softmax(z / T)`` at the token).
+        self.drawn_logprobs: list[torch.Tensor] = []
 
     def _weights_buffer(self, scores: torch.Tensor) -> torch.Tensor:
         if self._buffer is None or self._buffer.shape != scores.shape or self._buffer.device != scores.device:
@@ -148,7 +151,9 @@ class InverseCDFSampler(LogitsProcessor):
         """
         weights = self._weights(input_ids, scores)  # (B, V)
         u = 1.0 - torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=self.generator)
-        return inverse_cdf(weights, u)  # (B, 1)
+        token = inverse_cdf(weights, u)  # (B, 1)
+        self.drawn_logprobs.append(weights.gather(1, token).squeeze(1).log())  # (B,)
+        return token
 
     def probs(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         """The distribution :meth:`draw` samples from for these arguments, ``(B, V)`` float64 (a fresh tensor).
