@@ -196,6 +196,11 @@ class AlgorithmConfig:
     #: Dropout off in the policy (``ragen/models/dropout.py``): π_old is scored without it, so with it the
     #: PPO ratio and KL would compare two different functions. ``lora.dropout`` still applies.
     disable_dropout: bool = True
+    #: The update's CPU speed-ups (shared prompts run once, grouped fp32 attention, the LM head's hand-written
+    #: backward, a kept tied-weight gradient): the same log-probs and gradients up to float rounding
+    #: (tests/train/test_fast_update.py), in less time (benchmarks/bench_update.py). False = the plain transformers
+    #: forward and backward, the reference.
+    fast_update: bool = True
 
 
 @dataclass

@@ -185,7 +185,7 @@ class ActorUpdate:
                     entropy_grad=alg.entropy_coeff != 0,  # else the entropy is a metric: no backward through it
                     value_head=self.value_head,
                     # on a checkpointed model decoder_hidden runs full rows instead (ragen/train/logprobs.py)
-                    prompt_lengths=shared, prompt_layout=self.agreed_layout(micro, shared),
+                    prompt_lengths=shared, prompt_layout=self.agreed_layout(micro, shared), fast=alg.fast_update,
                 )
             old = out.logprobs.detach() if tgt.old_logprobs is None else tgt.old_logprobs
             pg_loss, step_metrics = self.policy_loss(
@@ -254,13 +254,14 @@ class ActorUpdate:
             with autocast(self.config.trainer.precision, self.device.type):
                 if wanted:
                     res = policy_forward(self.model, *args, temperature=temperature, prompt_lengths=shared,
-                                         value_head=self.value_head if values else None)
+                                         value_head=self.value_head if values else None, fast=alg.fast_update)
                     for name in wanted:
                         out[name][rows, :T] = getattr(res, name).to(out[name].device)
                 if ref:
                     with self.reference_policy() as ref_model:
                         out["ref_logprobs"][rows, :T] = policy_forward(
-                            ref_model, *args, temperature=temperature, prompt_lengths=shared).logprobs.to(out["ref_logprobs"].device)
+                            ref_model, *args, temperature=temperature, prompt_lengths=shared,
+                            fast=alg.fast_update).logprobs.to(out["ref_logprobs"].device)
         return out
 
     def local_micro_batches(self, batch: TrainBatch, rank: int) -> tuple[torch.Tensor, list[range]]:

@@ -200,6 +200,7 @@ def policy_forward(
     prompt_layout: str = "auto",
     chunk_size: int = 1024,
     tied_weight: bool = True,
+    fast: bool = True,
 ) -> PolicyOutput:
     """One decoder pass → log-probs (and entropy, values) at response targets.
 
@@ -218,7 +219,14 @@ def policy_forward(
         prompt_layout: how (:data:`PROMPT_LAYOUTS`, see :func:`decoder_hidden`); ``"auto"`` picks the cheaper.
         tied_weight: a tied embedding / LM-head weight accumulates its gradient in kept memory where
             :class:`~ragen.train.tied_embedding.TiedWeight` applies (False: autograd's path, for comparisons).
+        fast: False runs the plain transformers path, the reference the speed-ups are tested against
+            (``algorithm.fast_update``): one decoder pass over full rows in the model's own attention, the LM head
+            through autograd's log-softmax; no shared prompts, grouped attention, hand-written backward or kept
+            tied-weight gradient.
     """
+    if not fast:
+        return _plain_policy_forward(model, input_ids, attention_mask, response_mask, temperature, with_entropy,
+                                     value_head)
     base = base_model(model)
     # a tied embedding / LM-head weight accumulates its gradient in kept memory (ragen/train/tied_embedding.py):
     # within this block both modules' calls take that path
@@ -241,6 +249,28 @@ def policy_forward(
         logprobs=scatter(logp_parts),
         entropy=scatter(ent_parts) if with_entropy else None,
         values=scatter([value_head(h).float()]) if value_head is not None else None,
+    )
+
+
+def _plain_policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                          temperature: float, with_entropy: bool, value_head: torch.nn.Module | None) -> PolicyOutput:
+    """:func:`policy_forward` with ``fast=False``: transformers' decoder on full rows, then
+    ``log_softmax(lm_head(h) / T)`` at the targets, all through autograd."""
+    base = base_model(model)
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    where = response_mask.bool()  # (B, T)
+    h = hidden[:, :-1][where]  # (N, H)
+    logits = base.get_output_embeddings()(h).float() / temperature  # (N, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:][where][:, None]).squeeze(-1)  # (N,)
+
+    def scatter(flat: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
+
+    return PolicyOutput(
+        logprobs=scatter(logp),
+        entropy=scatter(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None,
+        values=scatter(value_head(h).float()) if value_head is not None else None,
     )
 
 
