@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from ragen.config import load_config
 
-    from ragen.train.env_sets import train_sets
+    from ragen.agent.env_sets import train_sets
 
     preset = load_config(args.env, [f"agent.max_turn={args.max_turn}"])
     mix = preset.es.train

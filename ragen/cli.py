@@ -132,7 +132,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_play(args: argparse.Namespace) -> int:
-    from ragen.envs.play import main_play
+    from ragen.agent.play import main_play
 
     # Options may follow the env's key=value overrides: ``ragen play sokoban num_boxes=2 --seed 3``.
     extra = argparse.ArgumentParser(prog="ragen play", add_help=False)

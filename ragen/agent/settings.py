@@ -1,7 +1,7 @@
 """How the agent talks to an env: turns, actions per answer, the asked format, shaped rewards and context.
 
 The ``agent`` section of a run config (``ragen config --list``); the rollout reads one per episode (an env tag may
-change some fields for its episodes: ``ragen/train/env_sets.py``).
+change some fields for its episodes: ``ragen/agent/env_sets.py``).
 """
 
 from __future__ import annotations

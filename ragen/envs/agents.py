@@ -16,7 +16,7 @@ The expert per env:
   re-planned from the current position each turn);
 * ``frozen_lake`` -- :class:`ragen.envs.frozen_lake.LakeSolver`: with a known episode
   budget (:class:`Budget`, given by :func:`run_episode`, :func:`evaluate_agent`,
-  :func:`record_conversation` and so ``ragen eval`` and ``ragen sft generate``), the
+  :func:`ragen.agent.conversation.record_conversation` and so ``ragen eval`` and ``ragen sft generate``), the
   finite-horizon optimal policy for the moves left (backward induction,
   ``V_k(s) = max_a sum P(s'|s,a) V_{k-1}(s')``, ``V_0 = 1[goal]``); on slippery ice with
   turns of several actions, the open-loop sequence that is optimal given the state at the
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -378,62 +378,4 @@ def evaluate_agent(
     }
 
 
-def record_conversation(
-    env: Any,
-    agent: Agent,
-    seed: int | None = None,
-    settings: Any = None,
-    think: str | Callable[[Any, list[str]], str] = "",
-) -> dict[str, Any]:
-    """One episode as the chat the rollout would build, with ``agent`` in the model's seat (SFT data).
-
-    ``messages`` holds the system prompt, every user message exactly as
-    :class:`ragen.agent.context.PromptFormat` words it for ``settings``
-    (:class:`ragen.agent.rollout.AgentConfig`; defaults if None), and the agent's replies
-    as ``<think>{think}</think><answer>a1 || a2</answer>`` (``<answer>…</answer>`` without
-    think). ``think`` may also be a callable ``think(env, actions) -> str``, called each turn
-    before the actions are stepped (a rationale per turn). Turn limits, actions per turn and
-    per episode follow ``settings``, and the agent gets them as its :class:`Budget`.
-    Returns ``messages``, ``success``, ``reward`` (env rewards plus format penalties).
-    """
-    from ragen.agent.context import PromptFormat
-    from ragen.agent import AgentConfig
-
-    settings = settings or AgentConfig()
-    fmt = PromptFormat(settings.enable_think, settings.max_actions_per_turn, settings.action_sep)
-    raw = env.unwrapped
-    observation, _ = checked_reset(env, env.reset(seed=seed))
-    begin_episode(agent, env, seed, Budget.from_settings(settings))
-    limit = settings.max_actions_per_traj
-    actions_left = limit if limit > 0 else None
-    messages = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
-    instructions = getattr(settings, "instructions", "") or raw.instructions  # an env tag may reword them
-    messages.append({"role": "user", "content": fmt.first_user_message(instructions, observation, 1, actions_left)})
-    total, success = 0.0, False
-    for turn in range(1, settings.max_turn + 1):
-        actions = list(agent.act(env))[: settings.max_actions_per_turn]
-        answer = f" {settings.action_sep} ".join(actions)
-        rationale = think(env, actions) if callable(think) else think
-        reply = f"<think>{rationale}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
-        messages.append({"role": "assistant", "content": reply})
-        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
-        reward, feedback, done = 0.0, "", False
-        if not actions or None in ids:
-            bad = actions[ids.index(None)] if actions else ""
-            feedback = f"Your answer was invalid (unknown action {bad!r}); the state did not change."
-            reward = settings.format_penalty
-        else:
-            for observation, r, terminated, truncated, info in stepped(env, ids if actions_left is None else ids[:actions_left]):
-                reward += float(r)
-                success = bool(info.get("success", False))
-                actions_left = None if actions_left is None else actions_left - 1
-                done = terminated or truncated
-        total += reward
-        if done or (actions_left is not None and actions_left <= 0) or turn == settings.max_turn:
-            break
-        next_user = fmt.next_user_message(reward, observation, turn + 1, actions_left, feedback)
-        messages.append({"role": "user", "content": next_user})
-    return {"messages": messages, "success": success, "reward": total}
-
-
-__all__ = ["Agent", "Budget", "begin_episode", "record_conversation", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]
+__all__ = ["Agent", "Budget", "begin_episode", "RandomAgent", "ExpertAgent", "make_agent", "run_episode", "evaluate_agent", "AGENTS"]

@@ -58,14 +58,14 @@ class EvalTarget:
 
 def eval_targets(config: RunConfig) -> list[EvalTarget]:
     """The config's validation sets (``es.val``, else its training tags, else ``env``), like ``StarPOTrainer.validate``."""
-    from ragen.train.env_sets import val_sets
+    from ragen.agent.env_sets import val_sets
 
     return [EvalTarget(s.name, s.tag.env, dict(s.tag.config), s.settings, s.count) for s in val_sets(config)]
 
 
 def validation_seeds(n: int) -> list[int]:
     """The held-out seeds training validation uses (see ``StarPOTrainer.validate``)."""
-    from ragen.train.trainer import VAL_SEED_BASE
+    from ragen.agent.env_sets import VAL_SEED_BASE
 
     return [VAL_SEED_BASE + i for i in range(n)]
 

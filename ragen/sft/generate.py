@@ -1,7 +1,7 @@
 """SFT data: expert demonstrations, or successful rollouts of a trained policy, as chat JSONL.
 
 Each record is one episode in exactly the chat the agent sees at rollout
-(:func:`ragen.envs.agents.record_conversation` builds it with
+(:func:`ragen.agent.conversation.record_conversation` builds it with
 :class:`ragen.agent.context.PromptFormat`, the same wording as :class:`ragen.agent.Rollout`),
 one JSON object per line, in the ``messages`` format the ``datasets`` library and most SFT
 tools read::
@@ -29,13 +29,14 @@ import ragen.envs
 from ragen.agent.parser import parse_response
 from ragen.agent import AgentConfig
 from ragen.config import RunConfig, load_config
-from ragen.envs.agents import Agent, Budget, ExpertAgent, record_conversation
+from ragen.agent.conversation import record_conversation
+from ragen.envs.agents import Agent, Budget, ExpertAgent
 from ragen.envs.contract import EnvContractError
 from ragen.files import atomic_open
 from ragen.sft.rationale import explain
 
 #: Seeds of generated data are drawn below this bound, like training seeds: validation seeds
-#: (``ragen.train.trainer.VAL_SEED_BASE`` and up) never appear in SFT data.
+#: (``ragen.agent.env_sets.VAL_SEED_BASE`` and up) never appear in SFT data.
 SEED_BOUND = 2**31
 
 
@@ -84,7 +85,7 @@ def demo_target(config: RunConfig) -> tuple[str, dict, AgentConfig]:
     """(env name, env config, agent settings) that demonstrations are played with: the run's
     training env exactly as ``ragen train`` would roll it out, i.e. its one ``es.train`` tag
     (with the tag's horizon and instructions) or, without tags, ``env`` and ``agent``."""
-    from ragen.train.env_sets import train_sets
+    from ragen.agent.env_sets import train_sets
 
     sets = train_sets(config)
     if len(sets) != 1:

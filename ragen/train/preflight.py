@@ -20,7 +20,7 @@ from ragen.files import file_in_the_way
 from ragen.models.device import resolve_device
 from ragen.models.loading import check_model
 from ragen.train.checkpoint import latest_checkpoint, metrics_to_keep, no_checkpoint
-from ragen.train.env_sets import Slots, train_sets, val_sets
+from ragen.agent.env_sets import Slots, train_sets, val_sets
 from ragen.train.loggers import require_logger_packages
 
 #: What a run writes into its ``trainer.output_dir`` (a new run refuses a dir already holding any of them).

@@ -52,7 +52,7 @@ from ragen.engines import SamplingParams
 from ragen.models import HFBackend, apply_lora, load_model
 from ragen.runtime import keep_freed_memory
 from ragen.train.distributed import shard
-from ragen.train.env_sets import Slots, train_sets, val_sets
+from ragen.agent.env_sets import Slots, train_sets, val_sets
 
 #: Replacements per worker per step before the step fails.
 MAX_RETRIES = 3

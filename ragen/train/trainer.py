@@ -36,7 +36,7 @@ from ragen.train.distributed import barrier, broadcast_object, init_distributed
 from ragen.train.fsdp import shard_layers, sync_replica
 from ragen.train.checkpoint import (checkpoint_dirs, no_checkpoint, read_metrics, restore_latest, save_checkpoint,
                                     truncate_metrics)
-from ragen.train.env_sets import Slots, train_sets, val_sets
+from ragen.agent.env_sets import VAL_SEED_BASE, Slots, train_sets, val_sets
 from ragen.train.console import GracefulInterrupt, fmt, progress, report_rollout_problems, seed_everything
 from ragen.train.loggers import build_loggers, require_logger_packages
 from ragen.train.memory_guard import RL_KEYS, MemoryGuard
@@ -47,8 +47,6 @@ from ragen.train.rollout_log import write_rollout_log
 #: Estimators that need a critic: a value head on the policy's backbone is trained with them.
 CRITIC_ESTIMATORS = ("gae", "bi_level_gae")
 
-#: Validation seeds start here; training seeds are drawn below it, so the two never overlap.
-VAL_SEED_BASE = 2**31
 
 
 class StarPOTrainer:

@@ -9,7 +9,8 @@ import pytest
 from ragen.agent import AgentConfig, Rollout
 from ragen.envs import make
 from ragen.envs.registry import _REGISTRY  # tests add envs with monkeypatch.setitem: removed afterwards
-from ragen.envs.agents import RandomAgent, record_conversation, run_episode
+from ragen.agent.conversation import record_conversation
+from ragen.envs.agents import RandomAgent, run_episode
 from ragen.envs.contract import EnvContractError, checked_reward, checked_step, interface_problem
 from ragen.eval.metrics import episode_metrics
 from ragen.models.backend import SamplingParams
@@ -255,7 +256,7 @@ def test_a_chat_api_backend_is_sent_escaped_messages(tokenizer):
 
 
 def test_play_takes_instructions_as_the_rollout_does(monkeypatch):
-    from ragen.envs.play import play
+    from ragen.agent.play import play
 
     monkeypatch.setitem(_REGISTRY, "test_contract_play_no_instructions", NoInstructions)
     with pytest.raises(ValueError, match="NoInstructions has no text `instructions`"):

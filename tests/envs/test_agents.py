@@ -117,7 +117,7 @@ def test_record_conversation_is_the_rollouts_chat_with_the_expert_answering():
     from ragen.agent.context import PromptFormat
     from ragen.agent.parser import parse_response
     from ragen.agent import AgentConfig
-    from ragen.envs.agents import record_conversation
+    from ragen.agent.conversation import record_conversation
 
     settings = AgentConfig(max_turn=5, max_actions_per_turn=2, max_actions_per_traj=10)
     env = ragen.envs.make("sokoban")

@@ -114,7 +114,7 @@ def test_step_reports_whether_the_second_listed_arm_was_pulled():
 def test_seed_parity_order_balances_consecutive_seeds_and_keeps_names_and_payoffs():
     """``arm_order="seed_parity"`` lists the high arm second exactly on odd seeds, so the 64 validation seeds split
     32 / 32 (a position habit scores 0.5), while the names and the payoff draw stay the seed's."""
-    from ragen.train.trainer import VAL_SEED_BASE
+    from ragen.agent.env_sets import VAL_SEED_BASE
 
     drawn, parity = ragen.envs.make("bandit"), ragen.envs.make("bandit", arm_order="seed_parity")
     seeds = [VAL_SEED_BASE + i for i in range(64)]

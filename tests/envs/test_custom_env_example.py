@@ -12,7 +12,7 @@ from gymnasium.utils.env_checker import check_env
 import ragen.envs
 from ragen.cli import main
 from ragen.envs.agents import ExpertAgent, RandomAgent, evaluate_agent
-from ragen.envs.play import play
+from ragen.agent.play import play
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_env.py"
 

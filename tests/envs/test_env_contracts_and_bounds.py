@@ -95,7 +95,7 @@ def test_play_checks_what_a_user_envs_step_and_parse_action_return():
     from gymnasium import spaces
 
     from ragen.envs.contract import EnvContractError
-    from ragen.envs.play import play
+    from ragen.agent.play import play
 
     class NoInfoEnv(ragen.envs.TextEnv):
         action_lookup = {1: "go"}

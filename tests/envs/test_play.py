@@ -9,7 +9,7 @@ import ragen.envs
 from ragen.agent.context import PromptFormat
 from ragen.cli import main
 from ragen.envs.agents import ExpertAgent
-from ragen.envs.play import RULE, main_play, parse_overrides, play, split_answer
+from ragen.agent.play import RULE, main_play, parse_overrides, play, split_answer
 
 
 def scripted(lines):

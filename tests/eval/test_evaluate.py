@@ -13,7 +13,7 @@ import torch
 from ragen.cli import main
 from ragen.config import load_config
 from ragen.eval.evaluate import evaluate, format_table, pass_at_k, run_baseline, validation_seeds
-from ragen.train.trainer import VAL_SEED_BASE
+from ragen.agent.env_sets import VAL_SEED_BASE
 
 HEADLINE = ["model", "env", "episodes", "seeds", "k", "n", "temperature", "success", "pass_at_k", "reward_mean",
             "valid_action_rate", "response_length", "greedy", "sampled", "baselines", "notes"]

@@ -220,7 +220,7 @@ def _write_run(run: Path, tokenizer, preset, overrides=(), seeds_per_group=(3, 8
     from ragen.agent import AgentConfig, Rollout
     from ragen.config import load_config, to_yaml
     from ragen.models.backend import SamplingParams
-    from ragen.train.env_sets import Slots, train_sets
+    from ragen.agent.env_sets import Slots, train_sets
 
     config = load_config(preset, list(overrides))
     slots = Slots.build(train_sets(config), config.rollout.group_size)

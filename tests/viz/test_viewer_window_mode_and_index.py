@@ -30,7 +30,7 @@ def _play(run: Path, tokenizer, overrides, log_windows=False, spans=True):
     from ragen.agent import AgentConfig, Rollout
     from ragen.config import load_config, to_yaml
     from ragen.models.backend import SamplingParams
-    from ragen.train.env_sets import Slots, train_sets
+    from ragen.agent.env_sets import Slots, train_sets
 
     config = load_config("sokoban", ["rollout.env_groups=1", "rollout.group_size=1", "agent.max_turn=3", *overrides])
     slots = Slots.build(train_sets(config), config.rollout.group_size)

@@ -13,9 +13,13 @@ from dataclasses import asdict, dataclass, field
 
 import gymnasium as gym
 
-from ragen.agent import AgentConfig
+from ragen.agent.settings import AgentConfig
 from ragen.config import RunConfig, user_tag_dicts
 from ragen.envs.tags import EnvTag, resolve_tag
+
+
+#: Validation seeds are ``VAL_SEED_BASE + i``; training seeds are drawn below it, so the two never overlap.
+VAL_SEED_BASE = 2**31
 
 
 @dataclass
