@@ -100,6 +100,8 @@ class CollapseMonitor:
     _grad_norms: list[float] = field(default_factory=list)
     _habit_steps: dict[str, int] = field(default_factory=dict)
     _flat_steps: int = 0
+    #: Consecutive steps whose responses to different prompts were alike (cross-prompt similarity over the ceiling).
+    _similar_steps: int = 0
     #: Consecutive steps with both low entropy and a flat in-group reward std.
     _collapse_steps: int = 0
     collapsed: bool = False
@@ -135,9 +137,14 @@ class CollapseMonitor:
                 warnings.append(f"grad norm spike {grad:.3g} > {self.spike_factor} x running median {statistics.median(history):.3g}")
             if math.isfinite(grad):
                 self._grad_norms.append(grad)
+        # Alike answers to different prompts for `patience` steps in a row: one step of them is common where answers
+        # are short actions (most FrozenLake maps open with the same moves) and says nothing of the reasoning.
         similarity = metrics.get("collapse/cross_prompt_similarity")
-        if similarity is not None and similarity > self.similarity_ceiling:
-            warnings.append(f"cross-prompt similarity {similarity:.2f} > {self.similarity_ceiling}: template collapse")
+        if similarity is not None and not math.isnan(similarity):
+            self._similar_steps = self._similar_steps + 1 if similarity > self.similarity_ceiling else 0
+            if self._similar_steps >= self.patience:
+                warnings.append(f"cross-prompt similarity {similarity:.2f} > {self.similarity_ceiling} for "
+                                f"{self._similar_steps} steps: template collapse")
         # Confirmed collapse: low entropy together with no reward variance left, for `patience` steps in a row.
         if entropy is not None or std is not None:
             both = low_entropy and ((std is not None and std < self.std_floor) or pinned_now)

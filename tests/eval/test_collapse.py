@@ -40,10 +40,22 @@ def test_monitor_warns_and_confirms_collapse():
         assert monitor.check({"actor/grad_norm": 1.0, "actor/entropy": 1.0, "collapse/in_group_reward_std": 0.3}) == []
     spike = monitor.check({"actor/grad_norm": 50.0})
     assert spike and "grad norm spike" in spike[0]
-    monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0})
+    monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0, "collapse/cross_prompt_similarity": 0.95})
     assert not monitor.collapsed
     warnings = monitor.check({"actor/entropy": 0.01, "collapse/in_group_reward_std": 0.0, "collapse/cross_prompt_similarity": 0.95})
     assert monitor.collapsed and len(warnings) == 3
+
+
+def test_alike_answers_warn_only_when_they_last():
+    """Short action answers to different prompts are often alike for a step (the same opening moves); template
+    collapse is answers alike step after step."""
+    monitor = CollapseMonitor(patience=3)
+    assert monitor.check({"collapse/cross_prompt_similarity": 1.0}) == []
+    assert monitor.check({"collapse/cross_prompt_similarity": 0.5}) == []  # the run of alike steps restarts
+    assert monitor.check({"collapse/cross_prompt_similarity": 0.95}) == []
+    assert monitor.check({"collapse/cross_prompt_similarity": 0.95}) == []
+    [warning] = monitor.check({"collapse/cross_prompt_similarity": 0.95})
+    assert "template collapse" in warning and "3 steps" in warning
 
 
 def test_a_resumed_monitor_counts_a_nan_step_as_the_live_one_did():
