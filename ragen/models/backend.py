@@ -25,8 +25,8 @@ from ragen.models.decode_attention import decode_attention_for
 from ragen.models.decode_loop import DecodeOutput, GeneratedStopStrings, decode, unsupported_setting
 from ragen.models.device import model_device
 import ragen.models.native_decode as native_decode
-from ragen.models.fused_decode import PREFIX_PAGE_SPARE, FusedDecoder, SharedPrefix, compute_dtype, decoder_stack, \
-    fused_decode_for
+from ragen.models.fused_decode import FusedDecoder, compute_dtype, decoder_stack, fused_decode_for
+from ragen.models.shared_prefix import PREFIX_PAGE_SPARE, SharedPrefix
 from ragen.models.fused_prefill import in_column_chunks, prefill as fused_prefill
 from ragen.models.growing_cache import GrowingLayer, make_growing, plain_layers
 from ragen.models.precision import resolve_precision
@@ -352,7 +352,7 @@ class HFBackend:
         (:func:`~ragen.models.growing_cache.make_growing`, before the row copy so it copies the
         spare columns too). With ``share`` (the fused decode step is on) and rows in equal
         consecutive groups of a prompt, the prompts' own columns are also kept once per prompt
-        (:class:`~ragen.models.fused_decode.SharedPrefix`) for this call's decode steps.
+        (:class:`~ragen.models.shared_prefix.SharedPrefix`) for this call's decode steps.
 
         With ``last`` the last column is prefilled too, once per distinct prompt, and its logits are returned per row
         (:attr:`Prefilled.first_logits`): ragen's decode loop samples the first token from them.
@@ -386,7 +386,7 @@ class HFBackend:
     def _record_shared_prefix(self, cache, row_prompt: list[int], distinct: int, padding: torch.Tensor,
                               room: int | None) -> None:
         """Keep the ``distinct`` prompts' prefilled columns once each for this call's fused decode steps, if rows
-        ``row_prompt`` come in equal consecutive groups (:class:`~ragen.models.fused_decode.SharedPrefix`).
+        ``row_prompt`` come in equal consecutive groups (:class:`~ragen.models.shared_prefix.SharedPrefix`).
 
         ``cache`` holds one row per distinct prompt (before the row copy); ``padding`` ``(U, L)`` marks its padding
         columns; with ``room`` (growing caches) the rows' own columns are read per group too, for that many steps.
@@ -403,12 +403,12 @@ class HFBackend:
 
         A resumed turn's rows share no prompt, so their steps would run in Python with per-row attention over each
         row's whole kept history. The C++ grouped step (:mod:`ragen.models.native_decode`) computes groups of one as
-        well; the price is one copy of the cache into :class:`~ragen.models.fused_decode.SharedPrefix`'s fp32 layout.
+        well; the price is one copy of the cache into :class:`~ragen.models.shared_prefix.SharedPrefix`'s fp32 layout.
         On a 2-core Zen 5 (64 Sokoban envs × 5 turns, alternated) decode per generated token went 2.80 → 1.39 ms and the
         whole rollout 53.5-53.9 → 42.0-42.7 s, copies included (``benchmarks/bench_multiturn.py``). Only
         where the C++ step can take the steps (bf16, kernels built): the Python step gains nothing from the copy. The
         copy (fp32 keys and values of every row's columns, on pages kept for the session that may grow to
-        :data:`~ragen.models.fused_decode.PREFIX_PAGE_SPARE` times it) is skipped where those pages would exceed the
+        :data:`~ragen.models.shared_prefix.PREFIX_PAGE_SPARE` times it) is skipped where those pages would exceed the
         kept caches' own bound (``rollout.reuse_kv_max_gb``): such calls decode in Python as before.
         """
         cache = prefilled.cache

@@ -2,7 +2,7 @@
 
 A rollout's ``generate`` call first runs its prompts through the model for their keys and values
 (``HFBackend._prompt_pass``), then decodes with :func:`~ragen.models.fused_decode.decode_step` on
-:class:`~ragen.models.fused_decode.FusedWeights`: the projections concatenated (``[W_q; W_k; W_v]``,
+:class:`~ragen.models.fused_weights.FusedWeights`: the projections concatenated (``[W_q; W_k; W_v]``,
 ``[W_gate; W_up]``), cast to bf16 and packed for oneDNN once per rollout. Through transformers' modules the
 prefill used none of that: seven separate projections per layer, each weight cast again by autocast, GEMMs
 repacking plain weights. :func:`prefill` runs the same prompt tokens through the packed weights the decode
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ragen.models.fused_decode import FusedWeights, _rms_norm, _rotate, head_logits, mlp_residual, signed_sin
+from ragen.models.fused_decode import _rms_norm, _rotate, head_logits, mlp_residual, signed_sin
+from ragen.models.fused_weights import FusedWeights
 
 
 def attention_mask_4d(attention_mask: torch.Tensor, queries: int) -> torch.Tensor:

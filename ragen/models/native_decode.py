@@ -1,8 +1,8 @@
 """The fused decode step's grouped path in C++ (:mod:`ragen.models.native`): one call for all layers and the head.
 
 :func:`ragen.models.fused_decode.decode_step` hands a step here when :func:`can_run` says the C++ kernel computes it:
-bf16 on oneDNN-packed weights, a :class:`~ragen.models.fused_decode.SharedPrefix` step that reads every own column
-per group (:func:`~ragen.models.fused_decode._attend_grouped`), a cache of :class:`GrowingLayer`\\ s holding fp32
+bf16 on oneDNN-packed weights, a :class:`~ragen.models.shared_prefix.SharedPrefix` step that reads every own column
+per group (:func:`~ragen.models.shared_prefix._attend_grouped`), a cache of :class:`GrowingLayer`\\ s holding fp32
 keys and bf16 values. Python keeps the bookkeeping (the buffers' growth, the group mask, the cache's views); the
 kernel computes the 30 layers without returning to Python. Same arithmetic as the Python step up to float rounding
 (``tests/models/test_native_decode.py``).

@@ -11,9 +11,9 @@ from ragen.models import load_model
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
 from ragen.models.decode_attention import grouped_one_query
-from ragen.models.fused_decode import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS, FusedDecoder, \
-    SharedPrefix, _attend_grouped, _attend_shared, fused_decode_for, unsupported_reason
-from ragen.models.fused_decode import OWN_CHUNK
+from ragen.models.fused_decode import FusedDecoder, fused_decode_for, unsupported_reason
+from ragen.models.fused_weights import FP32_MKL_PROJECTIONS, MKL_PACK_MIN_STEPS, PROJECTIONS
+from ragen.models.shared_prefix import OWN_CHUNK, SharedPrefix, _attend_grouped, _attend_shared
 from ragen.models.growing_cache import GrowingLayer, make_growing
 from ragen.models.packed_linear import mkl_packing_available, packing_available
 from ragen.models.precision import intel_cpu
@@ -93,12 +93,12 @@ def test_fused_steps_equal_transformers_in_fp32(kind, grow, pack):
 
 @pytest.mark.parametrize("kind", ["llama", "llama_bias", "qwen2"])
 def test_fp32_projections_run_on_the_panel_gemm_where_it_builds_off_intel(kind, monkeypatch):
-    import ragen.models.fused_decode as fused_decode
+    import ragen.models.fused_weights as fused_weights
     from ragen.models import native
 
     model = small_model(kind)
     ids, mask = padded_batch()
-    monkeypatch.setattr(fused_decode, "intel_cpu", lambda: False)  # the default off Intel, on any machine
+    monkeypatch.setattr(fused_weights, "intel_cpu", lambda: False)  # the default off Intel, on any machine
     out = decode_both(model, ids, mask, grow=True)
     (plain, _, _), (fused, _, decoder) = out["plain"], out["fused"]
     on = native.gemm_ops() is not None
@@ -110,7 +110,7 @@ def test_fp32_projections_run_on_the_panel_gemm_where_it_builds_off_intel(kind, 
     off = decode_both(model, ids, mask, grow=True, native=False)["fused"]
     assert not any(linear.panels is not None for linear in off[2].weights.linears())
     torch.testing.assert_close(off[0], fused, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(fused_decode, "intel_cpu", lambda: True)  # there MKL's packed GEMM was measured to win
+    monkeypatch.setattr(fused_weights, "intel_cpu", lambda: True)  # there MKL's packed GEMM was measured to win
     intel = decode_both(model, ids, mask, grow=True)["fused"][2]
     assert not any(linear.panels is not None for linear in intel.weights.linears())
 
@@ -211,7 +211,7 @@ def test_a_session_builds_the_weights_once_and_the_next_one_sees_the_optimizer_s
 @pytest.mark.parametrize("pack", [True, frozenset({"qkv", "head"}), False])
 def test_weights_cast_through_the_kept_staging_buffer_stay_intact_when_it_is_reused(pack):
     """The staging buffer only feeds oneDNN's reorder: a second build through it must not change the first's weights."""
-    from ragen.models.fused_decode import FusedWeights
+    from ragen.models.fused_weights import FusedWeights
     from ragen.models.kept_buffer import KeptBuffer
 
     def projections(weights, x):  # every GEMM of the fused step on the same input

@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import output_cache, with_cache
-from ragen.models.fused_decode import FusedWeights, decoder_stack
+from ragen.models.fused_decode import decoder_stack
+from ragen.models.fused_weights import FusedWeights
 from ragen.models.fused_prefill import attention_mask_4d, prefill
 from ragen.models.growing_cache import make_growing
 from tests.models.small_models import SMALL, small_model

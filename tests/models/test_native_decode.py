@@ -13,7 +13,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from ragen.models import native
 from ragen.models.backend import HFBackend, SamplingParams
 from ragen.models.cache_names import with_cache
-from ragen.models.fused_decode import OWN_CHUNK, FusedWeights, SharedPrefix, _rms_norm, decode_step
+from ragen.models.fused_decode import _rms_norm, decode_step
+from ragen.models.fused_weights import FusedWeights
+from ragen.models.shared_prefix import OWN_CHUNK, SharedPrefix
 from ragen.models.growing_cache import GrowingLayer, make_growing
 
 from tests.models.small_models import SMALL, small_model

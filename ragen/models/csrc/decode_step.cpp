@@ -199,7 +199,7 @@ struct Scatter {
 //   S = Q K_tᵀ-layout product (R × n) + bias,  P = softmax(S) per row,  O = P V (R × D)
 // with Q (R, D) the scaled query rows (R = k·g), K_t (D, n) at row stride kt_stride, V (n, D) at row stride
 // v_stride, bias (R, n) at row stride bias_stride; out row r at out + r_out(r). The same products and sums as
-// fused_decode._attend_grouped's two fp32 bmm and softmax, summed in another order (each score over d in order,
+// shared_prefix._attend_grouped's two fp32 bmm and softmax, summed in another order (each score over d in order,
 // each output over the columns in order) and with exp512 for the softmax's exp.
 struct GroupAttention {
   int64_t R, D, n;
