@@ -2,7 +2,6 @@
 
 import copy
 
-import gymnasium as gym
 import pytest
 from gymnasium import spaces
 

@@ -9,7 +9,7 @@ import torch
 from ragen.algos import AdvantageInputs, get_adv_estimator
 from ragen.cli import main
 from ragen.config import ConfigError, load_config
-from ragen.envs.tags import PRESET_TAGS, TagError, resolve_tag
+from ragen.envs.tags import PRESET_TAGS, resolve_tag
 from ragen.agent.env_sets import train_sets, val_sets
 from ragen.train.per_tag import per_tag_advantages, per_tag_filter
 from ragen.agent.env_sets import VAL_SEED_BASE

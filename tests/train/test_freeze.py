@@ -1,6 +1,5 @@
 """optim.trainable_layers: only the top layers move, and their gradients are exactly the full model's."""
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
