@@ -102,14 +102,6 @@ def shard(n: int, rank: int, world: int) -> slice:
     return slice(lo, lo + base + (1 if rank < extra else 0))
 
 
-def micro_batch_count(rows: int, micro_batch_size: int, world: int) -> int:
-    """Micro-batches every rank runs under FSDP: the most any rank's :func:`shard` of ``rows`` needs
-    (at least one; ranks with fewer pad with weight 0). Every rank computes it alone: all hold the
-    whole mini-batch and shard it the same way."""
-    largest = max(len(range(rows)[shard(rows, r, world)]) for r in range(world))
-    return max(1, -(-largest // micro_batch_size))
-
-
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     """Sum every parameter's gradient over ranks, in place (missing grads count as zeros). No-op in one process.
 
