@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ragen.agent.answer_turn import answer_turn
 from ragen.agent.context import PromptFormat
 from ragen.agent.settings import AgentConfig
 from ragen.envs.agents import Agent, Budget, begin_episode
-from ragen.envs.contract import checked_action_id, checked_reset, stepped
+from ragen.envs.contract import checked_reset
 
 
 def record_conversation(
@@ -46,18 +47,9 @@ def record_conversation(
         rationale = think(env, actions) if callable(think) else think
         reply = f"<think>{rationale}</think><answer>{answer}</answer>" if settings.enable_think else f"<answer>{answer}</answer>"
         messages.append({"role": "assistant", "content": reply})
-        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
-        reward, feedback, done = 0.0, "", False
-        if not actions or None in ids:
-            bad = actions[ids.index(None)] if actions else ""
-            feedback = f"Your answer was invalid (unknown action {bad!r}); the state did not change."
-            reward = settings.format_penalty
-        else:
-            for observation, r, terminated, truncated, info in stepped(env, ids if actions_left is None else ids[:actions_left]):
-                reward += float(r)
-                success = bool(info.get("success", False))
-                actions_left = None if actions_left is None else actions_left - 1
-                done = terminated or truncated
+        turn_ = answer_turn(env, actions, observation, success, actions_left, settings.format_penalty)
+        observation, reward, success, done = turn_.observation, turn_.reward, turn_.success, turn_.done
+        actions_left, feedback = turn_.actions_left, turn_.feedback
         total += reward
         if done or (actions_left is not None and actions_left <= 0) or turn == settings.max_turn:
             break

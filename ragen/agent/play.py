@@ -23,7 +23,8 @@ from typing import Any, Callable
 import yaml
 
 import ragen.envs
-from ragen.envs.contract import checked_action_id, checked_reset, instructions_problem, stepped
+from ragen.envs.contract import checked_reset, instructions_problem
+from ragen.agent.answer_turn import answer_turn
 from ragen.agent.context import PromptFormat
 from ragen.agent import AgentConfig
 
@@ -146,19 +147,9 @@ def play(
             continue
         turns += 1
         actions = split_answer(line, settings.action_sep)[: settings.max_actions_per_turn]
-        ids = [checked_action_id(raw, a, raw.parse_action(a)) for a in actions]
-        feedback, reward = "", 0.0
-        if not actions or None in ids:
-            bad = actions[ids.index(None)] if actions else ""
-            reason = f"unknown action {bad!r}" if actions else "empty answer"
-            feedback = f"Your answer was invalid ({reason}); the state did not change."
-            reward = settings.format_penalty
-        else:
-            for observation, r, terminated, truncated, info in stepped(env, ids if actions_left is None else ids[:actions_left]):
-                reward += float(r)
-                success = bool(info.get("success", False))
-                actions_left = None if actions_left is None else actions_left - 1
-                done = terminated or truncated
+        turn_ = answer_turn(env, actions, observation, success, actions_left, settings.format_penalty)
+        observation, reward, success, done = turn_.observation, turn_.reward, turn_.success, turn_.done
+        actions_left, feedback = turn_.actions_left, turn_.feedback
         total += reward
         if actions_left is not None and actions_left <= 0:
             done = True

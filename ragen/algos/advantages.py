@@ -116,13 +116,6 @@ def _outcome_outputs(seq_adv: Tensor, scores: Tensor, inp: AdvantageInputs) -> A
     return AdvantageOutputs(advantages, advantages.clone(), metrics)
 
 
-def _fp64(x: Tensor) -> Tensor:
-    """The critic estimators' chains run in fp64 (on the CPU, cheap at (B, T)): in fp32 the reverse sum over T tokens
-    accumulates ~T·1e-7·|V| of rounding, so returns that are equal (every reward 0, say) came out varying with the
-    critic's values (an explained variance of ~-1e11 on 2 000-token episodes)."""
-    return x.double() if x.is_floating_point() and x.device.type != "mps" else x
-
-
 def _as(like: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     """``tensors`` in ``like``'s dtype (the results of an fp64 chain, back in the critic's dtype)."""
     return tuple(t.to(like.dtype) for t in tensors)
@@ -281,7 +274,7 @@ def reinforce_pp(inp: AdvantageInputs) -> AdvantageOutputs:
     (only centred without ``norm_adv_by_std``). Shapes (B, T) → (B, T); returns = G.
     """
     mask = inp.response_mask.bool()
-    rewards = _fp64(inp.token_rewards)  # equal returns stay equal through the chain (see _fp64)
+    rewards = widened(inp.token_rewards)  # equal returns stay equal through the chain (see the GAE note below)
     returns = masked_gae(rewards, torch.zeros_like(rewards), mask, inp.gamma, lam=1.0)  # (B, T) G_t
     advantages = _batch_normalize(returns, mask, inp.norm_adv_by_std, inp.eps)
     return _token_outputs(*_as(inp.token_rewards, advantages, returns), inp)
@@ -316,7 +309,9 @@ def gae(inp: AdvantageInputs) -> AdvantageOutputs:
     """
     _require(inp, "gae", "values")
     mask = inp.response_mask.bool()
-    rewards, values = _fp64(inp.token_rewards), _fp64(inp.values)
+    # The chain runs in fp64 (on the CPU, cheap at (B, T)): in fp32 the reverse sum over T tokens accumulates
+    # ~T·1e-7·|V| of rounding, so equal returns (every reward 0, say) vary with the critic's values.
+    rewards, values = widened(inp.token_rewards), widened(inp.values)
     raw = masked_gae(rewards, values, mask, inp.gamma, inp.lam)  # (B, T)
     returns = torch.where(mask, raw + values, 0.0)  # (B, T)
     advantages = _batch_normalize(raw, mask, inp.norm_adv_by_std, inp.eps)
@@ -356,7 +351,7 @@ def bi_level_gae(inp: AdvantageInputs) -> AdvantageOutputs:
     _require(inp, "bi_level_gae", "values", "turn_ends")
     mask = inp.response_mask.bool()
     ends = effective_turn_ends(inp.turn_ends, mask)  # (B, T)
-    rewards, values = _fp64(inp.token_rewards), _fp64(inp.values)
+    rewards, values = widened(inp.token_rewards), widened(inp.values)
     turn_adv = masked_gae(rewards, values, ends, inp.high_level_gamma, inp.lam)  # (B, T) A^H at ends
     raw = masked_gae(rewards, values, mask, inp.gamma, inp.lam, fixed=ends, fixed_adv=turn_adv)
     returns = torch.where(mask, raw + values, 0.0)
