@@ -213,16 +213,16 @@ def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
 
 def _fsdp_layouts(rank, init_method, out_dir):
     """Each rank's own layout choice forced (rank 0 would pack, rank 1 would split), then both packing."""
+    import ragen.train.actor_update as update_module
     import ragen.train.logprobs as logprobs
-    import ragen.train.trainer as trainer_module
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         trainer = make_trainer(out_dir / "run")
         taken = []
-        shipped = trainer_module.policy_forward
-        trainer_module.policy_forward = lambda *a, **kw: taken.append(kw["prompt_layout"]) or shipped(*a, **kw)
+        shipped = update_module.policy_forward
+        update_module.policy_forward = lambda *a, **kw: taken.append(kw["prompt_layout"]) or shipped(*a, **kw)
         batch, targets = synthetic_batch()
         logprobs.packed_is_cheaper = lambda *a: rank == 0
         trainer.actor.optimizer_step(batch, targets)

@@ -36,7 +36,7 @@ def test_zero_advantages_skip_backward_and_match_the_full_update_bit_for_bit(tmp
         assert trainer.update(varied)["actor/backward_skipped"] == 0.0
     uniform = uniform_rewards(varied)
     before = {n: p.detach().clone() for n, p in skip.model.named_parameters()}
-    monkeypatch.setattr(full, "gradient_is_zero", lambda advantages: False)  # force the backward pass
+    monkeypatch.setattr(full.actor, "gradient_is_zero", lambda advantages: False)  # force the backward pass
     backward_calls = []
     with monkeypatch.context() as patch:
         patch.setattr(torch.Tensor, "backward", lambda self, *a, **k: backward_calls.append(1))
@@ -54,7 +54,7 @@ def test_zero_advantages_skip_backward_and_match_the_full_update_bit_for_bit(tmp
     for (name, p_skip), (_, p_full) in zip(skip.model.named_parameters(), full.model.named_parameters()):
         assert torch.equal(p_skip, p_full), name
     assert any(not torch.equal(p, before[n]) for n, p in skip.model.named_parameters())  # AdamW still stepped
-    for (p_s, p_f) in zip(skip.trainable_parameters(), full.trainable_parameters()):
+    for (p_s, p_f) in zip(skip.actor.trainable_parameters(), full.actor.trainable_parameters()):
         for slot, value in full.optimizer.state[p_f].items():
             assert torch.equal(skip.optimizer.state[p_s][slot], value), slot
     assert skip.scheduler.last_epoch == full.scheduler.last_epoch
