@@ -242,8 +242,7 @@ def policy_forward(
                                                entropy_grad, chunk_size)
 
     def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
-        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
+        return _at_targets(torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32), where)
 
     return PolicyOutput(
         logprobs=scatter(logp_parts),
@@ -264,14 +263,16 @@ def _plain_policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, input_ids[:, 1:][where][:, None]).squeeze(-1)  # (N,)
 
-    def scatter(flat: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(response_mask.shape, dtype=torch.float32, device=h.device).masked_scatter(where, flat)
-
     return PolicyOutput(
-        logprobs=scatter(logp),
-        entropy=scatter(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None,
-        values=scatter(value_head(h).float()) if value_head is not None else None,
+        logprobs=_at_targets(logp, where),
+        entropy=_at_targets(-(logp_all.exp() * logp_all).sum(-1), where) if with_entropy else None,
+        values=_at_targets(value_head(h).float(), where) if value_head is not None else None,
     )
+
+
+def _at_targets(flat: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` values, one per ``True`` of ``where`` ``(B, T)``, placed there in a ``(B, T)`` fp32 tensor of zeros."""
+    return torch.zeros(where.shape, dtype=torch.float32, device=flat.device).masked_scatter(where, flat.float())
 
 
 def _head_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
