@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ragen.models import load_model
-from ragen.models.backend import HFBackend, Prefilled, SamplingParams
+from ragen.models.backend import HFBackend, SamplingParams
+from ragen.models.prompt_prefill import Prefilled
 from tests.models.prompts import prompts_with_groups, templated_prompts
 
 
