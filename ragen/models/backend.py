@@ -241,7 +241,9 @@ class HFBackend(PromptPrefill):
                 room = params.max_new_tokens if self.grow_cache else None  # columns generate may add to the cache
                 if any(k is not None for k in kept):
                     prefilled = self._resume_prefill(prompts, kept, room, last=last)
-                    kept.clear()  # copied into ``cache``: free the entries before decoding
+                    if keeping:  # copied into ``cache``: free the entries (and their share of the budget) before decoding
+                        self.prefix_cache.release(sum(k.nbytes for k in kept if k is not None))
+                    kept.clear()
                     if fused and room is not None:
                         self._record_rows_as_groups_of_one(prefilled, room)
                 elif not (self.common_prefix and (prefilled := self._common_prefill(prompts, room, share=fused, last=last))):

@@ -17,9 +17,12 @@ bounded: ``max_bytes`` caps the bytes of keys and values kept between calls. An 
 not fit is not kept, and its episode prefills its whole history at the next turn, as without the
 cache: the same computation, more prefill work (greedy decoding gives the same tokens; a sampled
 run draws its random numbers in another row order once rows are refused, see ``HFBackend``).
-During a call the caches the call took are still held until their rows are generated, so the
-peak is the budget plus one turn's growth. Without a bound, ``ragen eval`` of 512 twenty-turn
-FrozenLake episodes in one rollout held ~19 GB.
+A call takes every entry at its start but prefills its rows batch by batch, so a taken entry stays
+in memory until its batch has copied it: taken entries count against the budget (``held``) until
+the backend releases them, and the kept and held caches together never exceed ``max_bytes``.
+Without that, a call's new entries filled the budget while its older ones were still held (twice
+the budget), and without any bound ``ragen eval`` of 512 twenty-turn FrozenLake episodes in one
+rollout held ~19 GB.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ class PrefixKVCache:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self.max_bytes = max_bytes
-        #: Bytes of keys and values stored now, and the most stored at once since this cache was made.
+        #: Bytes of keys and values stored now, and the most stored or held at once since this cache was made.
         self.nbytes = 0
         self.peak_nbytes = 0
+        #: Bytes of entries taken by a call whose rows have not copied them yet (see :meth:`release`).
+        self.held = 0
         #: Entries not kept because the budget was full, in the current (or last) session: their
         #: episodes prefill their history again.
         self.refused = 0
@@ -69,13 +74,14 @@ class PrefixKVCache:
     def session(self, enabled: bool = True):
         """Keep entries between ``generate`` calls inside this block only (and only if ``enabled``)."""
         self.clear()
-        self.refused = 0
+        self.refused, self.held = 0, 0
         self.active = enabled
         try:
             yield self
         finally:
             self.active = False
             self.clear()
+            self.held = 0
 
     def clear(self) -> None:
         self._entries.clear()
@@ -87,7 +93,7 @@ class PrefixKVCache:
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` would be kept now."""
-        return self.max_bytes is None or self.nbytes + nbytes <= self.max_bytes
+        return self.max_bytes is None or self.nbytes + self.held + nbytes <= self.max_bytes
 
     def admits(self, nbytes: int) -> bool:
         """:meth:`fits`, counting a refusal in ``refused`` when it does not."""
@@ -104,12 +110,13 @@ class PrefixKVCache:
         if not self.admits(size):
             return
         self.nbytes += size
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes + self.held)
         self._entries.setdefault(entry.token_ids, []).append(entry)
         self._lengths[len(entry)] = self._lengths.get(len(entry), 0) + 1
 
     def take(self, prompt: list[int]) -> CachedPrefix | None:
-        """Remove and return the longest stored entry whose tokens start ``prompt`` (None if none does)."""
+        """Remove and return the longest stored entry whose tokens start ``prompt`` (None if none does); its bytes
+        count as ``held`` until :meth:`release`."""
         if not self.active:
             return None
         for length in sorted(self._lengths, reverse=True):
@@ -125,5 +132,10 @@ class PrefixKVCache:
                 if not self._lengths[length]:
                     del self._lengths[length]
                 self.nbytes -= entry.nbytes
+                self.held += entry.nbytes
                 return entry
         return None
+
+    def release(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` of taken entries: their rows have copied them and dropped them."""
+        self.held = max(self.held - nbytes, 0)

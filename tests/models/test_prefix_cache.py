@@ -54,7 +54,7 @@ def test_entries_live_only_inside_an_enabled_session():
     assert len(kept) == 0  # cleared on exit: nothing outlives a rollout (the weights change after it)
 
 
-def test_a_budget_refuses_entries_that_do_not_fit_and_take_frees_their_bytes():
+def test_a_budget_refuses_entries_that_do_not_fit_and_a_released_take_frees_their_bytes():
     size = entry([1, 2]).nbytes  # keys and values of two tokens: 2 * (2 * 2 * 4) floats
     assert size == 2 * 2 * 2 * 4 * 4
     kept = PrefixKVCache(max_bytes=2 * size)
@@ -64,9 +64,13 @@ def test_a_budget_refuses_entries_that_do_not_fit_and_take_frees_their_bytes():
         assert kept.nbytes == 2 * size and kept.fits(0) and not kept.fits(1)
         kept.put(entry([5, 6]))  # over the budget: not kept
         assert len(kept) == 2 and kept.refused == 1 and kept.take([5, 6, 7]) is None
-        assert kept.take([1, 2, 9]) is not None and kept.nbytes == size
+        taken = kept.take([1, 2, 9])
+        assert taken is not None and kept.nbytes == size and kept.held == size
+        kept.put(entry([5, 6]))  # the taken entry is still in memory: no room yet
+        assert len(kept) == 1 and kept.refused == 2
+        kept.release(taken.nbytes)
         kept.put(entry([5, 6]))  # room again
-        assert len(kept) == 2 and kept.nbytes == 2 * size and kept.refused == 1
+        assert len(kept) == 2 and kept.nbytes == 2 * size and kept.held == 0 and kept.refused == 2
     assert kept.nbytes == 0  # the session's end frees everything
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixKVCache(max_bytes=-1)
@@ -122,6 +126,34 @@ def test_a_budget_bounds_the_kept_caches_and_plays_the_same_tokens(tiny, monkeyp
     assert 0 < bounded.stats.reused_tokens < full.stats.reused_tokens
     assert full.stats.prefilled_tokens < bounded.stats.prefilled_tokens < plain.stats.prefilled_tokens
     assert mixed and not any(mixed)  # resuming and fresh rows never share a batch
+
+
+def test_caches_a_call_took_count_against_the_budget_until_their_batch_copied_them(tiny, monkeypatch):
+    """A call takes every row's cache first and prefills batch by batch: the later batches' old caches are still in
+    memory while the earlier ones store their new, longer caches. Kept and held bytes together stay within the
+    budget, and nothing is held once a call has returned."""
+    in_memory, after_call = [], []
+    real_put, real_generate = PrefixKVCache.put, HFBackend.generate
+
+    def put(self, entry):
+        real_put(self, entry)
+        in_memory.append(self.nbytes + self.held)
+
+    def generate(self, prompts, params):
+        out = real_generate(self, prompts, params)
+        after_call.append(self.prefix_cache.held)
+        return out
+
+    monkeypatch.setattr(PrefixKVCache, "put", put)
+    monkeypatch.setattr(HFBackend, "generate", generate)
+    full_trajs, full = play(tiny, True, do_sample=False, batch_size=2)
+    budget = max(in_memory) * 2 // 3
+    in_memory.clear()
+    bounded_trajs, bounded = play(tiny, True, do_sample=False, batch_size=2, max_bytes=budget)
+    assert bounded.prefix_cache.refused > 0 and 0 < max(in_memory) <= budget
+    assert bounded.prefix_cache.peak_nbytes <= budget
+    assert after_call and set(after_call) == {0}
+    assert [t.input_ids for t in bounded_trajs] == [t.input_ids for t in full_trajs]
 
 
 def test_window_prompts_keep_no_cache(tiny, monkeypatch):
