@@ -4,6 +4,8 @@ episodes, each in a fresh child process.
     .venv/bin/python benchmarks/bench_memory_presets.py                         # every preset, 5 RL / 5 SFT steps
     .venv/bin/python benchmarks/bench_memory_presets.py --presets bandit --steps 50   # a longer look at one preset
     .venv/bin/python benchmarks/bench_memory_presets.py --model tiny --steps 3        # a seconds-long smoke run
+    .venv/bin/python benchmarks/bench_memory_presets.py --presets frozenlake_slippery_study --no-rl --no-sft \
+        --episodes 128 --threads 1 --set rollout.max_episodes_in_flight=32          # one evaluation, in waves
 
 For each run it prints the peak RSS (``VmHWM``), the RSS after step 3 and after the last step, their growth, and a
 split of the peak: the model's weights (4 bytes a parameter), gradients and AdamW's two moments (4 + 8 bytes a
@@ -136,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=512, help="episodes of the eval runs")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every RL run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="run-config override for every RL and eval run")
+    ap.add_argument("--no-rl", action="store_true")
     ap.add_argument("--no-sft", action="store_true")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--eval-presets", nargs="+", default=None, help="presets evaluated (default: every one run)")
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         fn = {"rl": child_rl, "sft": child_sft, "eval": child_eval}[args.child]
         size = args.episodes if args.child == "eval" else args.steps
-        extra = args.set if args.child == "rl" else []
+        extra = args.set if args.child in ("rl", "eval") else []
         print("RESULT " + json.dumps(fn(args.child_name, size, args.model, args.threads, extra)), flush=True)
         return 0
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | preset / env | peak RSS MiB | RSS after step 3 | RSS after the last | growth | peak split MiB: "
           "process + weights + grads & AdamW + rest | s |")
     print("|---|---|---:|---:|---:|---:|---|---:|")
-    for preset in args.presets:
+    for preset in [] if args.no_rl else args.presets:
         print(row("RL", preset, spawn("rl", preset, args)), flush=True)
     if not args.no_sft:
         for preset in args.presets:
