@@ -19,10 +19,10 @@ cache: the same computation, more prefill work (greedy decoding gives the same t
 run draws its random numbers in another row order once rows are refused, see ``HFBackend``).
 A call takes every entry at its start but prefills its rows batch by batch, so a taken entry stays
 in memory until its batch has copied it: taken entries count against the budget (``held``) until
-the backend releases them, and the kept and held caches together never exceed ``max_bytes``.
-Without that, a call's new entries filled the budget while its older ones were still held (twice
-the budget), and without any bound ``ragen eval`` of 512 twenty-turn FrozenLake episodes in one
-rollout held ~19 GB.
+the backend releases them, and the kept and held caches together never exceed ``max_bytes``
+(otherwise a call's new entries could fill the budget while its older ones are still in memory:
+twice the budget). Without any bound, ``ragen eval`` of 512 twenty-turn FrozenLake episodes in one
+rollout holds ~19 GB.
 """
 
 from __future__ import annotations
