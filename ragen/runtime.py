@@ -81,6 +81,24 @@ def keep_freed_memory(force: bool = False) -> bool:
     return _applied
 
 
+def return_freed_memory() -> bool:
+    """Hand the free pages inside glibc's heaps back to the kernel (``malloc_trim(0)``); True if it returned any.
+
+    Blocks below glibc's mmap threshold (which rises to 32 MB as large blocks are freed) come from its heaps, and a
+    free block between two live ones stays resident: a rollout whose KV caches grow a little every turn leaves such
+    holes behind, and without a trim each rollout or evaluation wave adds to the process's resident memory
+    (``docs/performance.md``, the waved slippery FrozenLake evaluation). Called where a rollout or a training step
+    has just freed its tensors; a no-op under ``RAGEN_MALLOC=keep``, which keeps freed memory on purpose, and off
+    glibc."""
+    if _applied or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, TypeError, AttributeError):
+        return False
+    return bool(trim(0))
+
+
 def allocator_state() -> str:
     """What this process's allocator runs with, for benchmark headers."""
     if _applied:

@@ -101,3 +101,35 @@ def test_an_unknown_value_warns_and_changes_nothing(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert runtime.requested() is False
+
+
+#: Holes in glibc's heap: a 16 MiB block freed raises the mmap threshold, so 4 MiB tensors come from the heap; every
+#: other one is freed while its neighbours live, leaving 4 MiB holes that stay resident until a trim.
+HOLES = """
+import sys, torch
+from ragen.runtime import keep_freed_memory, return_freed_memory
+keep_freed_memory()
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
+big = torch.ones(4 * 2**20); del big
+blocks = [torch.ones(2**20) for _ in range(100)]
+blocks = blocks[1::2]
+before = rss()
+trimmed = return_freed_memory()
+print(trimmed, (before - rss()) // 2**20)
+"""
+
+
+def holes(**env) -> tuple[bool, int]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("RAGEN_MALLOC", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", HOLES], env={**environ, **env}, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@glibc
+def test_freed_holes_in_the_heap_go_back_to_the_kernel_unless_kept_on_purpose():
+    trimmed, returned_mib = holes()
+    assert trimmed and returned_mib >= 150  # most of the 50 holes of 4 MiB
+    kept, kept_returned = holes(RAGEN_MALLOC="keep")
+    assert not kept and kept_returned < 10

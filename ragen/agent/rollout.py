@@ -88,9 +88,10 @@ class Rollout:
     """Plays episodes for a batch of envs with one backend and one chat template.
 
     ``settings`` is the default for every episode; :meth:`run` may give each env its own
-    (mixed env tags). ``max_in_flight`` > 0 plays a run's episodes in waves of at most that many
+    (mixed env tags). ``max_in_flight`` > 0 plays a run's multi-turn episodes in waves of at most that many
     (each wave to its end, with its own kept KV caches), which bounds the caches' memory without
-    re-encoding anything; 0 plays them all at once.
+    re-encoding anything; 0 plays them all at once. A run whose episodes all end after one turn keeps nothing
+    between turns and plays at once whatever ``max_in_flight`` says.
     """
 
     def __init__(self, backend, tokenizer, settings: AgentConfig, sampling: SamplingParams, max_in_flight: int = 0):
@@ -142,7 +143,8 @@ class Rollout:
             self._start(env, seed, gid, member, name, self._protocol(s), tag)
             for env, seed, gid, member, name, s, tag in zip(envs, seeds, group_ids, members, names, per_env, tag_names)
         ]
-        wave = self.max_in_flight or max(n, 1)
+        multi_turn = any(s.max_turn > 1 for s in per_env)
+        wave = (self.max_in_flight if multi_turn else 0) or max(n, 1)
         for start in range(0, n, wave):
             self._play(episodes[start : start + wave])
         return [ep.traj for ep in episodes]

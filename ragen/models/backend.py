@@ -29,6 +29,7 @@ from ragen.models.prefix_cache import CachedPrefix, PrefixKVCache
 from ragen.models.prompt_prefill import PrefillStats, PromptPrefill
 from ragen.models.sampling import InverseCDFSampler, multinomial_generate_kwargs
 from ragen.models.transposed_gemm import transposed_linears
+from ragen.runtime import return_freed_memory
 
 if TYPE_CHECKING:
     from ragen.config import RunConfig
@@ -159,6 +160,7 @@ class HFBackend(PromptPrefill):
         finally:
             self._in_session = False
             self.fused.clear()  # the weights change before the next rollout
+            return_freed_memory()  # the rollout's KV caches and packed weights are gone: give their pages back
 
     @property
     def context_limit(self) -> int | None:

@@ -34,6 +34,7 @@ from ragen.sft.preflight import check_run_dir, data_change_problem
 from ragen.files import file_sha256, strict_dumps, write_dir_atomic, write_text_atomic
 from ragen.train import micro_batches
 from ragen.train.checkpoint import restore_latest, save_checkpoint, truncate_metrics
+from ragen.runtime import return_freed_memory
 from ragen.train.checkpoint_choice import CheckpointingChoice
 from ragen.train.memory_guard import SFT_KEYS, MemoryGuard
 from ragen.train.logprobs import policy_forward
@@ -184,6 +185,7 @@ class SFTTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not step_if_finite(self.optimizer, self.scheduler, grad_norm)  # a NaN / inf gradient changes nothing
+        return_freed_memory()  # the step's activations and logits are freed: give their pages back
         return {"train/loss": loss_sum / total_tokens, "train/tokens": float(total_tokens), "train/conversations": float(len(examples)),
                 "train/grad_norm": float(grad_norm), "train/lr": lr, "train/nonfinite_grad_skipped": float(skipped)}
 

@@ -29,7 +29,7 @@ from ragen.models import HFBackend, apply_lora, load_model
 from ragen.models.device import resolve_device
 from ragen.models.dropout import config_as_loaded, disable_config_dropout, disable_dropout
 from ragen.models.freeze import train_top_layers
-from ragen.runtime import keep_freed_memory
+from ragen.runtime import keep_freed_memory, return_freed_memory
 from ragen.train.actor_update import ActorUpdate
 from ragen.train.checkpoint_choice import CheckpointingChoice
 from ragen.train.distributed import barrier, broadcast_object, init_distributed
@@ -322,6 +322,7 @@ class StarPOTrainer:
         """The StarPO update stage on one step's episodes (:class:`ragen.train.actor_update.ActorUpdate`), then the
         rollout engine's weights brought up to date."""
         metrics = self.actor.update(trajectories)
+        return_freed_memory()  # the step's activations and logits are freed: give their pages back
         t_sync = time.perf_counter()
         if self.sync_rollout_weights():
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync

@@ -346,3 +346,19 @@ def test_waves_play_the_same_episodes_with_fewer_caches_in_flight(tiny):
     assert waves.prefix_cache.peak_nbytes < all_at_once.prefix_cache.peak_nbytes
     with pytest.raises(ValueError, match="max_in_flight"):
         Rollout(waves, tokenizer, AgentConfig(), SamplingParams(), max_in_flight=-1)
+
+
+def test_single_turn_episodes_play_at_once_whatever_the_wave_size(tiny):
+    """Waves bound the caches kept between turns; episodes of one turn keep none, so they are never cut."""
+    model, tokenizer = tiny
+    sizes = []
+    backend = HFBackend(model, tokenizer, precision="fp32")
+    real = backend.generate
+    backend.generate = lambda prompts, params: sizes.append(len(prompts)) or real(prompts, params)
+    sampling = SamplingParams(max_new_tokens=8, do_sample=False, stop=("</answer>",))
+    seeds = [1, 1, 2, 2, 3, 3]
+    for max_turn, expected in [(1, [6]), (2, [2, 2, 2])]:
+        sizes.clear()
+        rollout = Rollout(backend, tokenizer, AgentConfig(max_turn=max_turn), sampling, max_in_flight=2)
+        rollout.run([make("sokoban") for _ in seeds], seeds, [0, 0, 1, 1, 2, 2], "sokoban")
+        assert sizes[: len(expected)] == expected
