@@ -13,6 +13,7 @@ from ragen.models.device import check_device_spec
 from ragen.models.precision import PRECISIONS
 from ragen.config_io import checkpointing_setting
 from ragen.config_schema import RolloutConfig, RunConfig
+from ragen.engines.base import ENGINES
 
 
 def single_env_key(item: str) -> str | None:
@@ -124,7 +125,7 @@ def validate(config: RunConfig) -> None:
     need(0 <= config.seed < 2**32, "seed", "must be in [0, 2**32)")
     need(config.rollout.backend in ("local", "ray"), "rollout.backend", "must be 'local' or 'ray'")
     need(config.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
-    need(config.rollout.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'")
+    need(config.rollout.engine in ENGINES, "rollout.engine", f"must be one of {', '.join(ENGINES)}")
     need(config.agent.max_turn >= 1, "agent.max_turn", "must be >= 1")
     need(config.agent.max_actions_per_turn >= 1, "agent.max_actions_per_turn", "must be >= 1")
     need(bool(config.agent.action_sep.strip()), "agent.action_sep", "must be non-blank text (it splits an answer into actions)")

@@ -124,8 +124,10 @@ class RolloutConfig:
     num_workers: int = 2
     #: Ray cluster to join (``ray.init(address=...)``); "" starts a local one.
     ray_address: str = ""
-    #: Generation engine: ``hf`` (transformers ``generate``) or ``vllm`` (GPU only, extra ``ragen[vllm]``).
-    engine: str = "hf"
+    #: Generation engine: ``hf`` (plain transformers ``generate``, the reference the others are tested against),
+    #: ``cpu`` (transformers with ragen's CPU fast path: the levers of ``fast_decode`` and ``native_decode``),
+    #: ``auto`` (``cpu`` unless ``fast_decode`` is false) or ``vllm`` (GPU only, extra ``ragen[vllm]``).
+    engine: str = "auto"
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 An engine turns token-id prompts into sampled token ids: ``generate(prompts, params) -> [Generation]``, exactly the
 ids it sampled (never re-tokenised text), cut right after the first EOS or completed stop string, with the reason it
-stopped. Engines: ``hf`` (transformers, ragen/models/backend.py: plain ``generate`` or the CPU fast path behind it,
-``rollout.fast_decode``), ``vllm`` (GPU, ragen/models/vllm_backend.py) and ``openai`` (a chat API, evaluation only,
-ragen/models/openai_backend.py). :func:`ragen.engines.factory.build_engine` makes one from a run's config.
+stopped. Engines (``rollout.engine``): ``hf`` (plain transformers ``generate``, ragen/models/backend.py: the reference),
+``cpu`` (the same transformers model with ragen's CPU fast path behind it), ``auto`` (``cpu`` unless
+``rollout.fast_decode`` is false), ``vllm`` (GPU, ragen/models/vllm_backend.py) and ``openai`` (a chat API, evaluation
+only, ragen/models/openai_backend.py). :func:`ragen.engines.factory.build_engine` makes one from a run's config.
 
 This module imports nothing heavy (no torch, no transformers), so ``ragen.agent`` depends on it alone.
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterable, Protocol, runtime_checkable
+
+#: Engines ``rollout.engine`` may name (``openai`` is chosen by an ``openai:NAME`` model spec in ``ragen eval``).
+ENGINES = ("auto", "hf", "cpu", "vllm")
 
 
 @dataclass

@@ -138,16 +138,17 @@ class HFBackend(PromptPrefill):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
 
     @classmethod
-    def from_config(cls, model, tokenizer, config: "RunConfig") -> "HFBackend":
+    def from_config(cls, model, tokenizer, config: "RunConfig", fast: bool | None = None) -> "HFBackend":
         """The backend a run's config asks for (``trainer.precision``, ``rollout.batch_size``, ``reuse_kv``,
-        ``reuse_kv_max_gb``, ``fast_decode``, ``native_decode``); :func:`ragen.engines.factory.build_engine` calls it."""
+        ``reuse_kv_max_gb``, ``fast_decode``, ``native_decode``); :func:`ragen.engines.factory.build_engine` calls it.
+        ``fast`` (None: ``rollout.fast_decode``) turns the CPU fast path's levers on or off together."""
         r = config.rollout
+        fast = r.fast_decode if fast is None else fast
         return cls(model, tokenizer, precision=config.trainer.precision, batch_size=r.batch_size, reuse_kv=r.reuse_kv,
                    reuse_kv_max_bytes=None if math.isinf(r.reuse_kv_max_gb) else int(r.reuse_kv_max_gb * 2**30),
-                   transposed_gemm=r.fast_decode, grow_cache=r.fast_decode, decode_attention=r.fast_decode,
-                   fused_decode=r.fast_decode, common_prefix=r.fast_decode, decode_loop=r.fast_decode,
-                   fused_prefill=r.fast_decode, first_from_prefill=r.fast_decode,
-                   native_decode=r.fast_decode and r.native_decode)
+                   transposed_gemm=fast, grow_cache=fast, decode_attention=fast, fused_decode=fast,
+                   common_prefix=fast, decode_loop=fast, fused_prefill=fast, first_from_prefill=fast,
+                   native_decode=fast and r.native_decode)
 
     @contextlib.contextmanager
     def session(self, keep_kv: bool = True):

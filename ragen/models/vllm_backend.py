@@ -79,7 +79,7 @@ def require_vllm() -> Any:
         problems.append("vLLM needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)")
     if problems:
         raise VLLMUnavailableError(
-            "rollout.engine=vllm: " + "; ".join(problems) + ". Use rollout.engine=hf (the default) on this machine."
+            "rollout.engine=vllm: " + "; ".join(problems) + ". Use rollout.engine=auto (the default) on this machine."
         )
     return vllm
 
@@ -88,7 +88,7 @@ def check_vllm_run(config) -> None:
     """Fail fast, before a model loads, on a run config that ``rollout.engine=vllm`` cannot serve."""
     if config.lora.rank > 0:
         raise ConfigError("rollout.engine=vllm: LoRA (lora.rank > 0) is not supported yet (weight sync sends full weights); "
-                          "use rollout.engine=hf or lora.rank=0")
+                          "use rollout.engine=auto or lora.rank=0")
     if config.rollout.backend != "local":
         raise ConfigError(f"rollout.engine=vllm works with rollout.backend=local only (got {config.rollout.backend!r})")
     require_vllm()

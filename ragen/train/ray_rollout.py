@@ -48,8 +48,8 @@ import torch
 
 from ragen.agent import AgentConfig, Rollout, Trajectory
 from ragen.config import ConfigError, RunConfig
-from ragen.engines import SamplingParams
-from ragen.models import HFBackend, apply_lora, load_model
+from ragen.engines import SamplingParams, build_engine
+from ragen.models import apply_lora, load_model
 from ragen.runtime import keep_freed_memory
 from ragen.train.distributed import shard
 from ragen.agent.env_sets import Slots, train_sets, val_sets
@@ -111,7 +111,7 @@ class RolloutWorker:
             model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
         self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
-        backend = HFBackend.from_config(model, tokenizer, config)
+        backend = build_engine(model, tokenizer, config)
         self.rollout = Rollout(backend, tokenizer, AgentConfig(**asdict(config.agent)), SamplingParams(),
                                max_in_flight=config.rollout.max_episodes_in_flight)
         self.slots = build_slots(config, start, end)
@@ -193,8 +193,9 @@ class RayRolloutPool:
             import ray
         except ImportError:  # a config error, not a bare ModuleNotFoundError
             raise ConfigError("rollout.backend=ray needs Ray: pip install 'ragen[ray]'") from None
-        if config.rollout.engine != "hf":
-            raise ConfigError(f"rollout.backend=ray supports rollout.engine=hf only, not {config.rollout.engine!r}")
+        if config.rollout.engine == "vllm":
+            raise ConfigError("rollout.backend=ray supports the transformers engines (rollout.engine=auto, hf or cpu), "
+                              "not vllm")
         return ray
 
     def _spawn(self, index: int):

@@ -118,7 +118,7 @@ class StarPOTrainer:
         self.memory_guard = MemoryGuard(RL_KEYS, self.say)  # warns once if the first steps near the machine's memory
 
         # -- rollout --------------------------------------------------------------------
-        if self.is_main:  # only rank 0 rolls out (rollout.engine: hf or vllm; ragen/engines/)
+        if self.is_main:  # only rank 0 rolls out (rollout.engine: auto, hf, cpu or vllm; ragen/engines/)
             self.backend = build_engine(self.rollout_model, self.tokenizer, config, say=self.say)
         else:  # ranks other than 0 never generate: under FSDP they hold no replica, and need only pad_id
             self.backend = HFBackend.from_config(self.model, self.tokenizer, config)

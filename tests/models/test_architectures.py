@@ -58,4 +58,4 @@ def test_every_architecture_trains_full_and_with_lora(arch, tokenizer, tmp_path,
     assert len(updates) == 2 and all(r["actor/grad_norm"] > 0 for r in updates)  # a real backward each step
     assert main(["train", "sokoban", f"model={model}", f"trainer.output_dir={tmp_path / 'lora'}", *COMMON,
                  "trainer.total_steps=1", "lora.rank=4"]) == 0
-    assert "[ragen] generation engine: hf" in capsys.readouterr().out
+    assert "[ragen] generation engine: cpu" in capsys.readouterr().out

@@ -146,7 +146,7 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(VLLMUnavailableError, match=r"pip install 'ragen\[vllm\]'") as info:
         require_vllm()
-    assert "rollout.engine=hf" in str(info.value) and isinstance(info.value, ConfigError)
+    assert "rollout.engine=auto" in str(info.value) and isinstance(info.value, ConfigError)
     with pytest.raises(VLLMUnavailableError, match="not installed"):
         VLLMBackend("/nonexistent", SimpleNamespace(pad_token_id=0, eos_token_id=EOS))
 
@@ -157,7 +157,7 @@ def test_no_gpu_says_so(monkeypatch):
     with pytest.raises(VLLMUnavailableError) as info:
         require_vllm()
     message = str(info.value)
-    assert "CUDA GPU" in message and "rollout.engine=hf" in message and "pip install" not in message
+    assert "CUDA GPU" in message and "rollout.engine=auto" in message and "pip install" not in message
 
 
 def test_train_with_engine_vllm_exits_2_with_the_message(monkeypatch, capsys, tmp_path):
@@ -165,7 +165,7 @@ def test_train_with_engine_vllm_exits_2_with_the_message(monkeypatch, capsys, tm
     out = tmp_path / "run"
     assert main(["train", "bandit", "model=tiny", "rollout.engine=vllm", f"trainer.output_dir={out}"]) == 2
     err = capsys.readouterr().err
-    assert "rollout.engine=vllm" in err and "pip install 'ragen[vllm]'" in err and "rollout.engine=hf" in err
+    assert "rollout.engine=vllm" in err and "pip install 'ragen[vllm]'" in err and "rollout.engine=auto" in err
     assert "Traceback" not in err and not out.exists()  # failed before the run dir or the model
     assert main(["train", "bandit", "model=tiny", "rollout.engine=vllm", "lora.rank=4", f"trainer.output_dir={out}"]) == 2
     assert "LoRA" in capsys.readouterr().err
