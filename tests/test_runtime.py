@@ -28,12 +28,17 @@ STEP_PAGES = 4 * 256 * 49152 * 4 // 4096  # the step's four blocks in 4 KiB page
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 
-def probe(**env) -> tuple[bool, list[int]]:
-    """(applied, page faults of each of 5 steps) in a fresh process with glibc's defaults plus ``env``."""
+def fresh_process(script: str, **env) -> list[str]:
+    """The words ``script`` prints in a fresh process with glibc's default malloc settings plus ``env``."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("MALLOC_") and k not in ("RAGEN_MALLOC", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**environ, **env}, capture_output=True,
-                         text=True, check=True).stdout.split()
+    return subprocess.run([sys.executable, "-c", script], env={**environ, **env}, capture_output=True,
+                          text=True, check=True).stdout.split()
+
+
+def probe(**env) -> tuple[bool, list[int]]:
+    """(applied, page faults of each of 5 steps) in a fresh process with glibc's defaults plus ``env``."""
+    out = fresh_process(PROBE, **env)
     return out[0] == "True", [int(x) for x in out[1:]]
 
 
@@ -121,9 +126,8 @@ print(trimmed, (before - rss()) // 2**20)
 
 
 def holes(**env) -> tuple[bool, int]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("RAGEN_MALLOC", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", HOLES], env={**environ, **env}, capture_output=True, text=True,
-                         check=True).stdout.split()
+    """(trimmed, MiB the trim gave back) in a fresh process with glibc's defaults plus ``env``."""
+    out = fresh_process(HOLES, **env)
     return out[0] == "True", int(out[1])
 
 
