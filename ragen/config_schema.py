@@ -101,8 +101,8 @@ class RolloutConfig:
     #: Play a rollout's multi-turn episodes in waves of at most this many (0: all at once). Each wave keeps
     #: its own KV caches and runs to its end, so an evaluation of hundreds of long episodes (``ragen eval``,
     #: ``trainer.val_episodes``) holds one wave's memory, without re-encoding histories. Single-turn episodes
-    #: keep nothing between turns and always play at once. With 32, a 128-episode 20-turn FrozenLake evaluation
-    #: of SmolLM2-135M peaks under 5 GB (``benchmarks/bench_memory_presets.py``, ``docs/performance.md``).
+    #: keep nothing between turns and always play at once. With 32, a 512-episode 20-turn FrozenLake evaluation
+    #: of SmolLM2-135M peaks at 5.4 GB (``benchmarks/bench_memory_presets.py``, ``docs/performance.md``).
     max_episodes_in_flight: int = 32
     #: Decode levers of the HF engine on the CPU: plain fp32 linears as ``(W @ hᵀ)ᵀ``, a KV cache that
     #: grows in place, one-query decode attention, the fused Llama-family decode step on packed bf16
