@@ -56,3 +56,18 @@ def test_sft_steps_keep_no_tensors_of_earlier_steps(tmp_path):
         seen.append(live_tensors())
     assert len({count for count, _ in seen[1:]}) == 1, seen
     assert len({size for _, size in seen[1:]}) == 1, seen
+
+
+def test_an_rl_update_leaves_no_gradient_resident_for_the_rollout_that_follows(tmp_path):
+    from ragen.train.trainer import StarPOTrainer
+
+    trainer = StarPOTrainer(load_config("bandit", [*SMALL, "optim.lr=1e-3", f"trainer.output_dir={tmp_path}"]))
+    from tests.train.trajectories import shared_prompt_trajectories
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.manual_seed(0)
+    metrics = trainer.update(shared_prompt_trajectories(trainer.tokenizer))  # rewards with spread: a real step
+    assert metrics["actor/nonfinite_grad_skipped"] == 0.0
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # the step was taken
+    held = [n for n, p in trainer.model.named_parameters() if p.grad is not None]
+    assert held == [], held
