@@ -1,0 +1,69 @@
+"""What a prompt-independent policy scores: every fixed answer, repeated each turn, on a preset's validation seeds.
+
+A policy that has collapsed to one answer (``collapse/cross_prompt_similarity`` near 1) plays the same actions
+whatever the map shows. On RAGEN's FrozenLake the start is always top-left and the goal bottom-right, so such a
+policy still succeeds on the maps whose holes miss its path. This script plays every answer of one to
+``max_actions_per_turn`` actions, repeated every turn up to the tag's budgets, on the validation seeds
+(``VAL_SEED_BASE + i``, the seeds ``ragen eval`` and validation use) through the real env, and prints each answer's
+success with its 95 % Wilson interval, best first. A trained agent that scores no better than the best line here
+has not shown that it reads the observation.
+
+    .venv/bin/python scripts/fixed_answer_baseline.py frozenlake_study [--episodes 128] [--top 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from ragen.agent.env_sets import VAL_SEED_BASE, val_sets
+from ragen.config import load_config
+from ragen.eval.intervals import wilson
+
+
+def play(tag_set, seed: int, answer: tuple[int, ...], max_turn: int, budget: int) -> bool:
+    """One episode on ``seed`` answering ``answer`` every turn; True if it ends in success."""
+    env = tag_set.tag.make_env()
+    env.reset(seed=seed, options={"group_member": 0})
+    used = 0
+    for _ in range(max_turn):
+        for action in answer:
+            if used == budget:
+                return False
+            _, _, terminated, truncated, info = env.step(action)
+            used += 1
+            if terminated or truncated:
+                return bool(info.get("success"))
+    return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", help="a preset or YAML config whose first validation tag is played")
+    parser.add_argument("--episodes", type=int, default=128, help="validation seeds (default 128)")
+    parser.add_argument("--top", type=int, default=8, help="answers printed (default 8)")
+    args = parser.parse_args()
+    config = load_config(args.preset, [])
+    tag_set = val_sets(config)[0]
+    tag, agent = tag_set.tag, tag_set.settings
+    env = tag.make_env().unwrapped
+    space = env.action_space
+    lookup = getattr(env, "action_lookup", None) or {a: str(a) for a in range(space.start, space.start + space.n)}
+    actions = sorted(lookup)
+    budget = agent.max_actions_per_traj or agent.max_turn * agent.max_actions_per_turn
+    rows = []
+    for length in range(1, agent.max_actions_per_turn + 1):
+        for answer in itertools.product(actions, repeat=length):
+            wins = sum(play(tag_set, VAL_SEED_BASE + i, answer, agent.max_turn, budget) for i in range(args.episodes))
+            rows.append((wins / args.episodes, wilson(wins, args.episodes), answer))
+    rows.sort(key=lambda r: -r[0])
+    print(f"{tag.env} ({args.preset}): every fixed answer repeated each turn, {args.episodes} validation seeds "
+          f"({VAL_SEED_BASE}..+{args.episodes - 1}), {agent.max_turn} turns, at most {budget} actions")
+    print(f"{'answer':<32} success  95% CI")
+    for rate, (lo, hi), answer in rows[: args.top]:
+        text = " || ".join(lookup[a] for a in answer)
+        print(f"{text:<32} {rate:7.3f}  {lo:.3f}-{hi:.3f}")
+
+
+if __name__ == "__main__":
+    main()
