@@ -6,6 +6,8 @@ episodes, each in a fresh child process.
     .venv/bin/python benchmarks/bench_memory_presets.py --model tiny --steps 3        # a seconds-long smoke run
     .venv/bin/python benchmarks/bench_memory_presets.py --presets frozenlake_slippery_study --no-rl --no-sft \
         --episodes 128 --threads 1 --set rollout.max_episodes_in_flight=32          # one evaluation, in waves
+    .venv/bin/python benchmarks/bench_memory_presets.py --presets frozenlake_slippery_study --no-rl --no-eval \
+        --steps 30 --sft-data fls512.jsonl --sft-set trainer.micro_batch_size=4    # SFT on your own data
 
 For each run it prints the peak RSS (``VmHWM``), the RSS after step 3 and after the last step, their growth, and a
 split of the peak: the model's weights (4 bytes a parameter), gradients and AdamW's two moments (4 + 8 bytes a
@@ -74,8 +76,8 @@ def child_sft(env: str, steps: int, model: str, threads: int, extra: list[str]) 
 
     base = status("VmRSS")
     with tempfile.TemporaryDirectory() as tmp:
-        data = f"{tmp}/data.jsonl"
-        if ragen_main(["sft", "generate", env, "--n", "64", "--out", data]) != 0:
+        data = os.environ.get("BENCH_SFT_DATA") or f"{tmp}/data.jsonl"
+        if not os.environ.get("BENCH_SFT_DATA") and ragen_main(["sft", "generate", env, "--n", "64", "--out", data]) != 0:
             raise SystemExit(f"ragen sft generate {env} failed")
         config = load_sft_config(None, [f"data.path={data}", f"model={model}", f"trainer.output_dir={tmp}/run",
                                         "trainer.progress_bar=false", f"trainer.num_threads={threads}",
@@ -109,9 +111,10 @@ def child_eval(preset: str, episodes: int, model: str, threads: int, extra: list
 def spawn(kind: str, name: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--child-name", name, "--steps", str(args.steps),
            "--model", args.model, "--threads", str(args.threads), "--episodes", str(args.episodes),
-           *[f"--set={kv}" for kv in args.set]]
+           *[f"--set={kv}" for kv in args.set], *[f"--sft-set={kv}" for kv in args.sft_set]]
+    env = {**os.environ, "BENCH_SFT_DATA": os.path.abspath(args.sft_data)} if args.sft_data else None
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "seconds": time.perf_counter() - t0}
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -140,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="run-config override for every RL and eval run")
+    ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="SFT-config override for every SFT run (e.g. trainer.micro_batch_size=4)")
+    ap.add_argument("--sft-data", help="train SFT on this JSONL (ragen sft generate ...) instead of 64 fresh expert episodes")
     ap.add_argument("--no-rl", action="store_true")
     ap.add_argument("--no-sft", action="store_true")
     ap.add_argument("--no-eval", action="store_true")
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         fn = {"rl": child_rl, "sft": child_sft, "eval": child_eval}[args.child]
         size = args.episodes if args.child == "eval" else args.steps
-        extra = args.set if args.child in ("rl", "eval") else []
+        extra = args.set if args.child in ("rl", "eval") else args.sft_set
         print("RESULT " + json.dumps(fn(args.child_name, size, args.model, args.threads, extra)), flush=True)
         return 0
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),

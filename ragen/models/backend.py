@@ -197,6 +197,8 @@ class HFBackend(PromptPrefill):
         finally:
             if not self._in_session:
                 self.fused.clear()  # the parameters may change before the next call
+            if keeping:  # a turn's caches grew a little each: without a trim the freed older ones stay resident as holes
+                return_freed_memory()
         return out
 
     def _generate_batch(

@@ -182,6 +182,8 @@ class SFTTrainer:
             nll_sum = self.nll_sum(batch)  # scalar: summed NLL of the micro-batch's assistant tokens
             (nll_sum / total_tokens).backward()
             loss_sum += float(nll_sum.detach())
+            del nll_sum
+            return_freed_memory()  # this pass's activations: the next pass's, of another length, would not fit their holes
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not step_if_finite(self.optimizer, self.scheduler, grad_norm)  # a NaN / inf gradient changes nothing

@@ -19,6 +19,7 @@ from ragen.algos import AdvantageInputs, aggregate_loss, entropy_loss, get_adv_e
 from ragen.algos.losses import kl_penalty, value_loss
 from ragen.config import RunConfig
 from ragen.models import autocast
+from ragen.runtime import return_freed_memory
 from ragen.train import micro_batches
 from ragen.train.batch import TrainBatch, collate, collate_turns
 from ragen.train.checkpoint_choice import CheckpointingChoice
@@ -211,6 +212,7 @@ class ActorUpdate:
                 share = 0.0 * share
             if not zero_gradient:
                 (loss * share).backward()
+                return_freed_memory()  # this pass's activations: the next pass's, of another length, would not fit their holes
             if padding:  # a padding pass adds no gradient and no metrics (its own may be NaN, e.g. one-token variances)
                 continue
             if out.values is not None:
