@@ -284,7 +284,7 @@ def test_two_step_mixed_run_logs_per_tag_metrics(tmp_path):
     assert "val/BanditTest/success" in summary["val_after"]
 
 
-@pytest.mark.parametrize("preset, env_cls", [("sokoban_study", "SokobanEnv"), ("frozenlake_study", "FrozenLakeEnv"),
+@pytest.mark.parametrize("preset, env_cls", [("sokoban_study", "SokobanEnv"), ("frozenlake_study", "FrozenLakeEnv"), ("frozenlake_rl", "FrozenLakeEnv"),
                                              ("frozenlake_slippery_study", "FrozenLakeEnv")])
 def test_study_presets_keep_the_envs_own_instructions(preset, env_cls):
     """The study presets copy their env's instructions and add an example answer: the copy must not drift."""
