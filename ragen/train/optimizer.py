@@ -44,13 +44,10 @@ def step_if_finite(optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch
     NaN for good. A non-finite step is dropped instead -- gradients cleared, weights, moments and the schedule
     untouched -- as Megatron-LM and DeepSpeed skip an overflowed step. The norm is computed after the gradients'
     all-reduce, so every rank of a distributed run makes the same choice.
-
-    Either way the gradients are freed on return: a model-sized buffer that nothing reads again would otherwise
-    stay resident through the rollout that follows an RL update, where the run's memory peaks.
     """
-    finite = torch.isfinite(torch.as_tensor(grad_norm)).item()
-    if finite:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return finite
+    if not torch.isfinite(torch.as_tensor(grad_norm)).item():
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    scheduler.step()
+    return True

@@ -313,6 +313,9 @@ class StarPOTrainer:
         group_seeds = self.seed_rng.integers(0, VAL_SEED_BASE, size=n_groups)
         seeds = [int(s) for s in np.repeat(group_seeds, size)]
         group_ids = [g for g in range(n_groups) for _ in range(size)]
+        # the last update's gradients: nothing reads them again, and a rollout is where a run's memory peaks
+        self.optimizer.zero_grad(set_to_none=True)
+        return_freed_memory()
         if self.rollout_pool is not None:  # each worker plays its group-aligned share; this step's weights go along
             return self.rollout_pool.run(step, seeds, group_ids, self.train_rollout.sampling, self.rollout_model)
         slots = self.train_slots
