@@ -18,23 +18,20 @@ import itertools
 
 from ragen.agent.env_sets import VAL_SEED_BASE, val_sets
 from ragen.config import load_config
+from ragen.envs.agents import Agent, evaluate_agent
 from ragen.eval.intervals import wilson
 
 
-def play(tag_set, seed: int, answer: tuple[int, ...], max_turn: int, budget: int) -> bool:
-    """One episode on ``seed`` answering ``answer`` every turn; True if it ends in success."""
-    env = tag_set.tag.make_env()
-    env.reset(seed=seed, options={"group_member": 0})
-    used = 0
-    for _ in range(max_turn):
-        for action in answer:
-            if used == budget:
-                return False
-            _, _, terminated, truncated, info = env.step(action)
-            used += 1
-            if terminated or truncated:
-                return bool(info.get("success"))
-    return False
+class FixedAnswerAgent(Agent):
+    """Answers the same action names every turn, whatever the observation."""
+
+    name = "fixed"
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def act(self, env) -> list[str]:
+        return list(self.names)
 
 
 def main() -> None:
@@ -51,10 +48,15 @@ def main() -> None:
     lookup = getattr(env, "action_lookup", None) or {a: str(a) for a in range(space.start, space.start + space.n)}
     actions = sorted(lookup)
     budget = agent.max_actions_per_traj or agent.max_turn * agent.max_actions_per_turn
+    seeds = [VAL_SEED_BASE + i for i in range(args.episodes)]
     rows = []
     for length in range(1, agent.max_actions_per_turn + 1):
         for answer in itertools.product(actions, repeat=length):
-            wins = sum(play(tag_set, VAL_SEED_BASE + i, answer, agent.max_turn, budget) for i in range(args.episodes))
+            # the rollout's limits, through the same episode loop as ragen eval's random and expert baselines
+            played = evaluate_agent(tag.env, tag.config, FixedAnswerAgent([lookup[a] for a in answer]), seeds,
+                                    max_turns=agent.max_turn, max_actions_per_turn=agent.max_actions_per_turn,
+                                    max_actions=agent.max_actions_per_traj or None)
+            wins = round(played["success"] * played["episodes"])
             rows.append((wins / args.episodes, wilson(wins, args.episodes), answer))
     rows.sort(key=lambda r: -r[0])
     print(f"{tag.env} ({args.preset}): every fixed answer repeated each turn, {args.episodes} validation seeds "
