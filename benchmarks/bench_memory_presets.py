@@ -66,7 +66,7 @@ def child_rl(preset: str, steps: int, model: str, threads: int, extra: list[str]
     return {"base": base, "params": params, "trainable": trainable, "rss": rss, "peak": status("VmHWM")}
 
 
-def child_sft(env: str, steps: int, model: str, threads: int, extra: list[str]) -> dict:
+def child_sft(env: str, steps: int, model: str, threads: int, extra: list[str], data: str | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -76,9 +76,10 @@ def child_sft(env: str, steps: int, model: str, threads: int, extra: list[str]) 
 
     base = status("VmRSS")
     with tempfile.TemporaryDirectory() as tmp:
-        data = os.environ.get("BENCH_SFT_DATA") or f"{tmp}/data.jsonl"
-        if not os.environ.get("BENCH_SFT_DATA") and ragen_main(["sft", "generate", env, "--n", "64", "--out", data]) != 0:
-            raise SystemExit(f"ragen sft generate {env} failed")
+        if data is None:
+            data = f"{tmp}/data.jsonl"
+            if ragen_main(["sft", "generate", env, "--n", "64", "--out", data]) != 0:
+                raise SystemExit(f"ragen sft generate {env} failed")
         config = load_sft_config(None, [f"data.path={data}", f"model={model}", f"trainer.output_dir={tmp}/run",
                                         "trainer.progress_bar=false", f"trainer.num_threads={threads}",
                                         "trainer.device=cpu", "trainer.batch_size=16", *extra])
@@ -111,10 +112,10 @@ def child_eval(preset: str, episodes: int, model: str, threads: int, extra: list
 def spawn(kind: str, name: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--child-name", name, "--steps", str(args.steps),
            "--model", args.model, "--threads", str(args.threads), "--episodes", str(args.episodes),
-           *[f"--set={kv}" for kv in args.set], *[f"--sft-set={kv}" for kv in args.sft_set]]
-    env = {**os.environ, "BENCH_SFT_DATA": os.path.abspath(args.sft_data)} if args.sft_data else None
+           *[f"--set={kv}" for kv in args.set], *[f"--sft-set={kv}" for kv in args.sft_set],
+           *([f"--sft-data={os.path.abspath(args.sft_data)}"] if args.sft_data else [])]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "seconds": time.perf_counter() - t0}
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -154,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-name", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        fn = {"rl": child_rl, "sft": child_sft, "eval": child_eval}[args.child]
         size = args.episodes if args.child == "eval" else args.steps
-        extra = args.set if args.child in ("rl", "eval") else args.sft_set
-        print("RESULT " + json.dumps(fn(args.child_name, size, args.model, args.threads, extra)), flush=True)
+        if args.child == "sft":
+            result = child_sft(args.child_name, size, args.model, args.threads, args.sft_set, data=args.sft_data)
+        else:
+            result = {"rl": child_rl, "eval": child_eval}[args.child](args.child_name, size, args.model, args.threads,
+                                                                    args.set)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),
                platform.processor())
