@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 
 from ragen.agent.env_sets import VAL_SEED_BASE, val_sets
 from ragen.config import load_config
 from ragen.envs.agents import Agent, evaluate_agent
+from ragen.errors import ConfigError
 from ragen.eval.intervals import wilson
 
 
@@ -34,13 +36,17 @@ class FixedAnswerAgent(Agent):
         return list(self.names)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", help="a preset or YAML config whose first validation tag is played")
     parser.add_argument("--episodes", type=int, default=128, help="validation seeds (default 128)")
     parser.add_argument("--top", type=int, default=8, help="answers printed (default 8)")
     args = parser.parse_args()
-    config = load_config(args.preset, [])
+    try:
+        config = load_config(args.preset, [])
+    except ConfigError as exc:  # a mistyped preset or a bad YAML: one line, exit 2, as the ragen command does
+        print(f"fixed_answer_baseline: {exc}", file=sys.stderr)
+        return 2
     tag_set = val_sets(config)[0]
     tag, agent = tag_set.tag, tag_set.settings
     env = tag.make_env().unwrapped
@@ -65,7 +71,8 @@ def main() -> None:
     for rate, (lo, hi), answer in rows[: args.top]:
         text = " || ".join(lookup[a] for a in answer)
         print(f"{text:<32} {rate:7.3f}  {lo:.3f}-{hi:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
