@@ -8,6 +8,10 @@ policy still succeeds on the maps whose holes miss its path. This script plays e
 success with its 95 % Wilson interval, best first. A trained agent that scores no better than the best line here
 has not shown that it reads the observation.
 
+On deterministic FrozenLake it also searches every action sequence of the whole move budget, played blind: a
+policy that counts its moves but never reads the map. With one move a turn no repeated answer can reach the goal,
+so this line is the map-blind bar there; elsewhere it is at least the best fixed answer.
+
     .venv/bin/python scripts/fixed_answer_baseline.py frozenlake_study [--episodes 128] [--top 8]
 """
 
@@ -17,7 +21,10 @@ import argparse
 import itertools
 import sys
 
+import numpy as np
+
 from ragen.agent.env_sets import VAL_SEED_BASE, val_sets
+import ragen.envs
 from ragen.config import load_config
 from ragen.envs.agents import Agent, evaluate_agent
 from ragen.errors import ConfigError
@@ -34,6 +41,52 @@ class FixedAnswerAgent(Agent):
 
     def act(self, env) -> list[str]:
         return list(self.names)
+
+
+def best_blind_sequence(env_name: str, env_cfg: dict | None, seeds: list[int], budget: int) -> tuple[int, list[int]]:
+    """``(wins, actions)``: the shortest sequence of at most ``budget`` actions that reaches the goal on the most
+    ``seeds``.
+
+    Exhaustive over the 4^budget sequences of deterministic FrozenLake, pruned by the best found: each seed's map
+    becomes a table of gymnasium's own transitions (the env's ``lake.P``), and a prefix is played on every map at
+    once. An episode ends in a hole or on the goal, so a sequence scores the maps it reaches the goal on at any move.
+    """
+    env = ragen.envs.make(env_name, **(env_cfg or {})).unwrapped
+    ids = sorted(env.action_lookup)  # our ids, 1..4 (gymnasium's 0..3 plus one)
+    nxt, start, goal, hole = [], [], [], []
+    for seed in seeds:
+        env.reset(seed=seed)
+        lake = env.lake
+        table = np.zeros((lake.nrow * lake.ncol, len(ids)), dtype=np.int64)
+        for state, moves in lake.P.items():
+            for a, outcomes in moves.items():
+                if len(outcomes) != 1:
+                    raise ValueError(f"{env_name}: a blind sequence search needs deterministic moves (is_slippery=false)")
+                table[state, a] = outcomes[0][1]
+        cells = "".join(ch.decode() for row in lake.desc for ch in row)
+        nxt.append(table), start.append(int(lake.s))
+        goal.append(np.array([c == "G" for c in cells])), hole.append(np.array([c == "H" for c in cells]))
+    nxt, goal, hole = np.stack(nxt), np.stack(goal), np.stack(hole)
+    rows = np.arange(len(seeds))
+    best = [-1, []]
+
+    def search(pos: np.ndarray, alive: np.ndarray, wins: int, sequence: list[int], length: int) -> None:
+        if wins > best[0]:
+            best[0], best[1] = wins, list(sequence)
+        if len(sequence) == length or wins + int(alive.sum()) <= best[0]:
+            return
+        for a in range(len(ids)):
+            after = nxt[rows, pos, a]
+            reached = alive & goal[rows, after]
+            search(after, alive & ~reached & ~hole[rows, after], wins + int(reached.sum()), sequence + [ids[a]], length)
+
+    found = (-1, [])
+    for length in range(1, budget + 1):  # the shortest of the best: a longer search only adds moves when they help
+        best[0], best[1] = -1, []
+        search(np.array(start), np.ones(len(seeds), dtype=bool), 0, [], length)
+        if best[0] > found[0]:
+            found = (best[0], best[1])
+    return found
 
 
 def main() -> int:
@@ -71,6 +124,11 @@ def main() -> int:
     for rate, (lo, hi), answer in rows[: args.top]:
         text = " || ".join(lookup[a] for a in answer)
         print(f"{text:<32} {rate:7.3f}  {lo:.3f}-{hi:.3f}")
+    if tag.env == "frozen_lake" and not env.config.is_slippery:
+        wins, sequence = best_blind_sequence(tag.env, tag.config, seeds, budget)
+        lo, hi = wilson(wins, args.episodes)
+        print(f"best blind sequence of at most {budget} moves (the map never read): "
+              f"{' '.join(lookup[a] for a in sequence)}  {wins / args.episodes:.3f}  {lo:.3f}-{hi:.3f}")
     return 0
 
 

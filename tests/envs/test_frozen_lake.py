@@ -539,3 +539,30 @@ def test_infinite_horizon_is_solved_exactly_on_a_32x32_slippery_map():
     assert np.abs(residual[live]).max() < 1e-10
     assert np.all(values[model.terminal] == 0.0) and np.all((0.0 <= values) & (values <= 1.0))
     assert 0.9 < values[model.start] < 1.0
+
+
+def test_describe_neighbours_names_where_each_action_leads():
+    env = play(STANDARD, is_slippery=False, describe_neighbours=True)  # SFFF / FHFH / FFFH / HFFG
+    obs = env.render()
+    assert obs.split("\n")[:4] == ["P___", "_O_O", "___O", "O__G"]
+    assert obs.split("\n")[4] == "Left: edge, Down: ice, Right: ice, Up: edge"
+    assert obs in env.observation_space
+    obs = env.step(RIGHT)[0]  # (0, 1): a hole below
+    assert obs.split("\n")[4] == "Left: ice, Down: hole, Right: ice, Up: edge"
+    for action in (RIGHT, DOWN, DOWN):  # (0,2) -> (1,2) -> (2,2): a hole right, the goal's column below
+        obs = env.step(action)[0]
+    assert obs.split("\n")[4] == "Left: ice, Down: ice, Right: hole, Up: ice"
+    obs, reward, terminated, _, _ = env.step(DOWN)  # (3, 2): the goal to the right
+    assert obs.split("\n")[4] == "Left: ice, Down: edge, Right: goal, Up: ice" and obs in env.observation_space
+    assert not terminated and reward == 0.0
+
+
+def test_describe_neighbours_changes_only_the_text():
+    plain, described = play(STANDARD, is_slippery=False), play(STANDARD, is_slippery=False, describe_neighbours=True)
+    for action in (DOWN, DOWN, RIGHT):
+        a, b = plain.step(action), described.step(action)
+        assert b[0].startswith(a[0] + "\n") and a[1:] == b[1:]
+    plain_rgb = FrozenLakeEnv(render_mode="rgb_array", is_slippery=False)
+    described_rgb = FrozenLakeEnv(render_mode="rgb_array", is_slippery=False, describe_neighbours=True)
+    plain_rgb.reset(seed=3), described_rgb.reset(seed=3)
+    assert np.array_equal(plain_rgb.render(), described_rgb.render())

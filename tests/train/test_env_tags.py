@@ -285,7 +285,8 @@ def test_two_step_mixed_run_logs_per_tag_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("preset, env_cls", [("sokoban_study", "SokobanEnv"), ("frozenlake_study", "FrozenLakeEnv"), ("frozenlake_rl", "FrozenLakeEnv"),
-                                             ("frozenlake_slippery_study", "FrozenLakeEnv")])
+                                             ("frozenlake_slippery_study", "FrozenLakeEnv"),
+                                             ("frozenlake_neighbours", "FrozenLakeEnv")])
 def test_study_presets_keep_the_envs_own_instructions(preset, env_cls):
     """The study presets copy their env's instructions and add an example answer: the copy must not drift."""
     config = load_config(preset)

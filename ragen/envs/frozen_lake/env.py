@@ -20,6 +20,10 @@ TO_GYM_ACTION = {1: 0, 2: 1, 3: 2, 4: 3}
 
 SYMBOL_LEGEND = "P: player, _: frozen ice, O: hole, G: goal, X: player fell into a hole, √: player on the goal"
 _CHARSET = frozenset("P_OGX√\n")
+#: What :attr:`FrozenLakeEnv.Config.describe_neighbours` names each cell next to the player.
+NEIGHBOUR_WORDS = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
+#: The extra characters of the neighbours line (``"Left: edge, Down: hole, ..."``).
+_NEIGHBOUR_CHARSET = frozenset("".join(ACTION_LOOKUP.values()) + "".join(NEIGHBOUR_WORDS.values()) + "edge:, ")
 
 # RGB tiles (``render_mode="rgb_array"``), one per observation symbol, drawn with numpy: gymnasium's
 # own rgb_array rendering needs pygame, which is not a dependency. The viewer's HTML grid uses the same colours.
@@ -94,7 +98,10 @@ class FrozenLakeEnv(TiledRender, TextEnv):
 
     ## Observation Space
     ``Text``: one row per line, ``P`` player, ``_`` frozen (the start cell too), ``O``
-    hole, ``G`` goal, ``X`` player in a hole, ``√`` player on the goal.
+    hole, ``G`` goal, ``X`` player in a hole, ``√`` player on the goal. With ``describe_neighbours``
+    one more line names the cell each action leads to, in words: ``Left: edge, Down: hole, Right: ice,
+    Up: edge`` (``edge`` off the map; ``goal``). The grid alone asks the model to find ``P`` and count
+    columns; the line states the one thing a closed-loop move needs (``ragen/configs/frozenlake_neighbours.yaml``).
 
     ## Starting State
     The player on ``S``. The map comes from a generator spawned from ``np_random``
@@ -119,7 +126,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     ## Arguments
     ``size`` (2..32, :data:`MAX_SIZE`), ``p`` (frozen probability of a generated cell, in (0, 1]),
     ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``, ``own_slip_draw`` (False: a group's
-    envs share the slips, as they share the seed).
+    envs share the slips, as they share the seed), ``describe_neighbours`` (False: the grid only).
 
     See :func:`solve` (the infinite-horizon optimal policy, by policy iteration), :func:`solve_finite` and
     :class:`LakeSolver` (optimal within a move budget, by backward induction) and :func:`success_probability`.
@@ -139,6 +146,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
         success_rate: float = 1.0 / 3.0
         max_steps: int = 100
         own_slip_draw: bool = False
+        describe_neighbours: bool = False
 
         def validate(self) -> None:
             if not 2 <= self.size <= MAX_SIZE:
@@ -157,9 +165,11 @@ class FrozenLakeEnv(TiledRender, TextEnv):
             "You are playing FrozenLake: walk from the start to the goal G without falling into a hole O. "
             + ("The ice is slippery: you may move perpendicular to the direction you chose.\n" if self.config.is_slippery else "\n")
             + f"The meaning of each symbol in the state is:\n{SYMBOL_LEGEND}\n"
-            "Valid actions: " + ", ".join(ACTION_LOOKUP.values())
+            + ("The line under the map says where each action leads: ice, a hole, the goal, or the edge of the map.\n"
+               if self.config.describe_neighbours else "")
+            + "Valid actions: " + ", ".join(ACTION_LOOKUP.values())
         )
-        self.observation_space = _observation_space(self.config.size, self.config.size)
+        self.observation_space = self._space(self.config.size, self.config.size)
         self.lake: GymFrozenLake | None = None
         self.num_steps = 0
         self._done = True
@@ -185,7 +195,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
             desc = random_map(c.size, c.p, map_seed)
         else:
             desc = parse_map(given)
-            space = _observation_space(len(desc), len(desc[0]))
+            space = self._space(len(desc), len(desc[0]))
             if space.max_length > self.observation_space.max_length:
                 self.observation_space = space
         self.lake = GymFrozenLake(desc=desc, is_slippery=c.is_slippery, success_rate=c.success_rate)
@@ -217,7 +227,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
 
     def _tile_rows(self) -> list[str] | None:
         """The lake's rows of observation symbols, for :meth:`render_rgb` (None before ``reset``)."""
-        return None if self.lake is None else self._text().split("\n")
+        return None if self.lake is None else self._text().split("\n")[: self.lake.nrow]
 
     def _text(self) -> str:
         """The current observation text (empty before the first ``reset``)."""
@@ -234,7 +244,26 @@ class FrozenLakeEnv(TiledRender, TextEnv):
                 else:
                     cells.append({"S": "_", "F": "_", "H": "O", "G": "G"}[ch])
             lines.append("".join(cells))
+        if self.config.describe_neighbours:
+            lines.append(self._neighbours(*player))
         return "\n".join(lines)
+
+    def _neighbours(self, row: int, col: int) -> str:
+        """``"Left: edge, Down: hole, Right: ice, Up: goal"``: where each action leads from ``(row, col)``."""
+        desc = self.desc
+        steps = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+        words = []
+        for name, (dr, dc) in steps.items():
+            r, c = row + dr, col + dc
+            inside = 0 <= r < len(desc) and 0 <= c < len(desc[0])
+            words.append(f"{name}: {NEIGHBOUR_WORDS[desc[r][c]] if inside else 'edge'}")
+        return ", ".join(words)
+
+    def _space(self, nrow: int, ncol: int) -> spaces.Text:
+        if not self.config.describe_neighbours:
+            return _observation_space(nrow, ncol)
+        longest = ", ".join(f"{name}: edge" for name in ACTION_LOOKUP.values())
+        return spaces.Text(min_length=1, max_length=nrow * (ncol + 1) + len(longest), charset=_CHARSET | _NEIGHBOUR_CHARSET)
 
     def _cell(self, state: int) -> str:
         r, col = divmod(int(state), self.lake.ncol)
