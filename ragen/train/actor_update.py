@@ -279,15 +279,18 @@ class ActorUpdate:
     def agreed_layout(self, micro: TrainBatch, prompt_lengths: torch.Tensor | None) -> str:
         """The shared-prompt layout of an update micro-batch: ``"auto"``, except under FSDP, where the ranks'
         micro-batches differ and every decoder pass is a collective, so all ranks take the packed layout
-        (one pass) only if every rank's own choice is packed, else the split one (two passes)."""
-        if not self.fsdp:
+        (one pass) only if every rank's own choice is packed, else the split one (two passes). Without shared
+        prompts (the plain path, window rows) there is one layout and nothing to agree on."""
+        if not self.fsdp or prompt_lengths is None:
             return "auto"
         mine = shared_prompt_layout(self.model, micro.input_ids, micro.attention_mask, prompt_lengths)
         return "packed" if all_ranks(mine == "packed") else "split"
 
     def prompt_lengths(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Tokens before each row's first model-written token, when shared prompts run once (else None)."""
-        if not self.config.trainer.share_prompt_prefix or self.config.agent.context_mode == "window":
+        """Tokens before each row's first model-written token, when shared prompts run once (else None): a speed-up
+        of the fast update path, so the plain one (``algorithm.fast_update=false``) runs full rows."""
+        if (not self.config.algorithm.fast_update or not self.config.trainer.share_prompt_prefix
+                or self.config.agent.context_mode == "window"):
             return None  # window rows share a prompt only at turn 1: sharing would cost extra passes, save nothing
         return batch.response_mask.argmax(dim=1) + 1  # target t predicts token t + 1
 

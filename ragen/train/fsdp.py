@@ -29,8 +29,9 @@ Collectives must line up
 Every forward of a sharded layer is a collective: all ranks must run the same number of
 decoder passes in the same order. The trainer guarantees it: scoring runs on the whole batch
 on every rank; the update pads ranks with fewer micro-batches with a weight-0 micro-batch (every rank computes every
-rank's micro-batches, ``StarPOTrainer.local_micro_batches``, and runs as many as the busiest), and its ranks agree on each micro-batch's
-shared-prompt layout (one pass packed, two split: ``StarPOTrainer.agreed_layout``); rank 0's rollout and validation run on an unsharded replica
+rank's micro-batches, ``ActorUpdate.local_micro_batches``, and runs as many as the busiest), and its ranks agree on each micro-batch's
+shared-prompt layout on the fast update path (one pass packed, two split: ``ActorUpdate.agreed_layout``; the plain
+path, ``algorithm.fast_update=false``, runs full rows and has none to agree on); rank 0's rollout and validation run on an unsharded replica
 (:func:`sync_replica`), never on the sharded model.
 """
 

@@ -161,7 +161,8 @@ def _metrics(run) -> list[dict]:
     ["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true"],  # critic (whole) + a sharded KL reference copy
     ["lora.rank=4", "algorithm.use_kl_loss=true"],  # sharded layers with frozen base weights; reference = adapters off
     ["algorithm.adv_estimator=gae", "algorithm.use_kl_loss=true", "trainer.fsdp=false"],  # the replicated (DDP-style) update
-], ids=["fsdp-full+critic+kl", "fsdp-lora+kl", "replicated-full+critic+kl"])
+    ["algorithm.fast_update=false", "algorithm.use_kl_loss=true"],  # plain transformers passes: no layout to agree on
+], ids=["fsdp-full+critic+kl", "fsdp-lora+kl", "replicated-full+critic+kl", "fsdp-plain-update+kl"])
 def test_fsdp_train_checkpoint_resume_match_one_process(tmp_path, extra):
     """`train()` on 2 ranks: the metrics, checkpoint and final weights of one process; then a resumed
     2-rank run (under FSDP restoring sharded weights and AdamW moments from the whole checkpoint)
@@ -245,3 +246,20 @@ def test_fsdp_ranks_agree_on_the_shared_prompt_layout(tmp_path):
     for r in range(WORLD):
         assert layouts[r]["disagreeing"] == ["split"] * passes
         assert layouts[r]["agreeing"] == ["packed"] * passes
+
+
+def test_the_plain_update_path_runs_full_rows_with_no_layout_to_agree_on(tmp_path, monkeypatch):
+    """``algorithm.fast_update=false`` shares no prompts, so an FSDP update has one layout and joins no collective
+    to pick it; the fast path under FSDP still asks every rank."""
+    import ragen.train.actor_update as update_module
+
+    batch, _ = synthetic_batch()
+    asked = []
+    monkeypatch.setattr(update_module, "all_ranks", lambda flag: asked.append(flag) or flag)
+    plain = make_trainer(tmp_path / "plain", ["algorithm.fast_update=false"]).actor
+    plain.fsdp = True
+    assert plain.prompt_lengths(batch) is None and plain.agreed_layout(batch, None) == "auto" and not asked
+    fast = make_trainer(tmp_path / "fast").actor
+    fast.fsdp = True
+    shared = fast.prompt_lengths(batch)
+    assert shared is not None and fast.agreed_layout(batch, shared) in ("packed", "split") and len(asked) == 1
