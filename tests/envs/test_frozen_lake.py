@@ -566,3 +566,34 @@ def test_describe_neighbours_changes_only_the_text():
     described_rgb = FrozenLakeEnv(render_mode="rgb_array", is_slippery=False, describe_neighbours=True)
     plain_rgb.reset(seed=3), described_rgb.reset(seed=3)
     assert np.array_equal(plain_rgb.render(), described_rgb.render())
+
+
+def test_progress_reward_pays_each_step_closer_to_the_goal():
+    env = play(STANDARD, is_slippery=False, progress_reward=0.1)  # SFFF / FHFH / FFFH / HFFG, goal at (3, 3)
+    assert env.step(RIGHT)[1] == pytest.approx(0.1)  # 6 -> 5 cells from the goal
+    assert env.step(UP)[1] == 0.0  # into the edge: no move, no progress
+    assert env.step(LEFT)[1] == pytest.approx(-0.1)  # back: 5 -> 6
+    for action in (RIGHT, RIGHT, DOWN, DOWN):
+        env.step(action)
+    obs, reward, terminated, _, info = env.step(RIGHT)  # (2, 2) -> (2, 3), a hole one cell from the goal
+    assert reward == pytest.approx(0.1) and terminated and not info["success"]
+    env = play(STANDARD, is_slippery=False, progress_reward=0.1)
+    total = sum(env.step(a)[1] for a in (DOWN, DOWN, RIGHT, DOWN, RIGHT, RIGHT))
+    assert total == pytest.approx(1.0 + 0.6)  # the goal's 1 and six cells of progress
+    with pytest.raises(ValueError, match="progress_reward"):
+        FrozenLakeEnv(progress_reward=-0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), slippery=st.booleans(), actions=st.lists(st.integers(1, 4), min_size=1, max_size=30))
+def test_progress_reward_sums_to_the_distance_covered_whatever_the_moves(seed, slippery, actions):
+    shaped, plain = FrozenLakeEnv(is_slippery=slippery, progress_reward=0.25), FrozenLakeEnv(is_slippery=slippery)
+    shaped.reset(seed=seed), plain.reset(seed=seed)
+    start, total, goal_total = shaped._goal_distance(shaped.state), 0.0, 0.0
+    for action in actions:
+        a, b = shaped.step(action), plain.step(action)
+        assert a[0] == b[0] and a[2:] == b[2:]  # the same episode: only the reward differs
+        total, goal_total = total + a[1], goal_total + b[1]
+        if a[2] or a[3]:
+            break
+    assert total == pytest.approx(goal_total + 0.25 * (start - shaped._goal_distance(shaped.state)))

@@ -112,7 +112,11 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     each meet their own slips, still reproducibly (:func:`ragen.envs.base.after_start_rng`).
 
     ## Rewards
-    1 on reaching the goal, else 0.
+    1 on reaching the goal, else 0. With ``progress_reward`` ``c > 0`` each move also earns
+    ``c * (d(s) - d(s'))``, where ``d`` is the Manhattan distance to the goal: potential-based shaping
+    (Ng, Harada & Russell 1999, with potential ``-c * d``), so an episode's shaped rewards sum to
+    ``c * (d(start) - d(end))`` and the best policy is the same as without them. It gives a policy that
+    never reaches the goal a signal for how far it got (``ragen/configs/frozenlake_neighbours.yaml``).
 
     ## Episode End
     Terminated on a hole or the goal; truncated after ``max_steps`` steps. Stepping after
@@ -126,7 +130,8 @@ class FrozenLakeEnv(TiledRender, TextEnv):
     ## Arguments
     ``size`` (2..32, :data:`MAX_SIZE`), ``p`` (frozen probability of a generated cell, in (0, 1]),
     ``is_slippery``, ``success_rate`` (in (0, 1]), ``max_steps``, ``own_slip_draw`` (False: a group's
-    envs share the slips, as they share the seed), ``describe_neighbours`` (False: the grid only).
+    envs share the slips, as they share the seed), ``describe_neighbours`` (False: the grid only),
+    ``progress_reward`` (0: the goal's reward only).
 
     See :func:`solve` (the infinite-horizon optimal policy, by policy iteration), :func:`solve_finite` and
     :class:`LakeSolver` (optimal within a move budget, by backward induction) and :func:`success_probability`.
@@ -147,8 +152,11 @@ class FrozenLakeEnv(TiledRender, TextEnv):
         max_steps: int = 100
         own_slip_draw: bool = False
         describe_neighbours: bool = False
+        progress_reward: float = 0.0
 
         def validate(self) -> None:
+            if not 0.0 <= self.progress_reward < float("inf"):
+                raise ValueError(f"frozen_lake: progress_reward must be a finite number >= 0, got {self.progress_reward}")
             if not 2 <= self.size <= MAX_SIZE:
                 raise ValueError(f"frozen_lake: size must be in 2..{MAX_SIZE}, got {self.size}")
             if not 0.0 < self.p <= 1.0:
@@ -223,7 +231,17 @@ class FrozenLakeEnv(TiledRender, TextEnv):
             "action_is_effective": int(state) != int(before),
             "prob": float(gym_info["prob"]),
         }
-        return self._text(), 1.0 if success else 0.0, bool(terminated), truncated, info
+        reward = 1.0 if success else 0.0
+        if self.config.progress_reward:
+            reward += self.config.progress_reward * (self._goal_distance(before) - self._goal_distance(state))
+        return self._text(), reward, bool(terminated), truncated, info
+
+    def _goal_distance(self, state: int) -> int:
+        """Manhattan distance from gymnasium state ``state`` to the goal cell."""
+        ncol = self.lake.ncol
+        goal = "".join(self.desc).index("G")
+        (r, c), (gr, gc) = divmod(int(state), ncol), divmod(goal, ncol)
+        return abs(r - gr) + abs(c - gc)
 
     def _tile_rows(self) -> list[str] | None:
         """The lake's rows of observation symbols, for :meth:`render_rgb` (None before ``reset``)."""
