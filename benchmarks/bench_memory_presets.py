@@ -1,7 +1,7 @@
 """Resident memory of every preset over several steps: RL, SFT on each env's expert data, and `ragen eval` at 512
 episodes, each in a fresh child process.
 
-    .venv/bin/python benchmarks/bench_memory_presets.py                         # every preset, 5 RL / 5 SFT steps
+    .venv/bin/python benchmarks/bench_memory_presets.py                         # every preset in ragen/configs/, 5 steps
     .venv/bin/python benchmarks/bench_memory_presets.py --presets bandit --steps 50   # a longer look at one preset
     .venv/bin/python benchmarks/bench_memory_presets.py --model tiny --steps 3        # a seconds-long smoke run
     .venv/bin/python benchmarks/bench_memory_presets.py --presets frozenlake_slippery_study --no-rl --no-sft \
@@ -31,9 +31,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MiB = 2**20
-RL_PRESETS = ["bandit", "sokoban", "sokoban_study", "frozenlake_study", "frozenlake_slippery_study"]
+
+def shipped_presets() -> list[str]:
+    """Every preset in ``ragen/configs/``: a new preset is measured without editing this file."""
+    from ragen.config import PRESET_DIR
+
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
 #: The env each preset plays, for SFT on its expert data.
-SFT_ENVS = {"bandit": "bandit", "sokoban": "sokoban", "frozenlake_slippery_study": "frozenlake_slippery_study"}
+SFT_ENVS = {"bandit": "bandit", "sokoban": "sokoban", "frozenlake_study": "frozenlake_study",
+            "frozenlake_slippery_study": "frozenlake_slippery_study"}
 
 
 def status(field: str) -> int:
@@ -137,7 +144,7 @@ def row(kind: str, name: str, r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", nargs="+", default=RL_PRESETS)
+    ap.add_argument("--presets", nargs="+", default=None, help="presets run (default: every one in ragen/configs/)")
     ap.add_argument("--steps", type=int, default=5, help="RL and SFT steps per run (RSS after step 3 and the last)")
     ap.add_argument("--episodes", type=int, default=512, help="episodes of the eval runs")
     ap.add_argument("--model", default="smollm2-135m")
@@ -154,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", choices=["rl", "sft", "eval"], help=argparse.SUPPRESS)
     ap.add_argument("--child-name", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.presets = args.presets or shipped_presets()
     if args.child:
         size = args.episodes if args.child == "eval" else args.steps
         if args.child == "sft":
