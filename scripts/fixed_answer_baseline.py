@@ -27,6 +27,7 @@ from ragen.agent.env_sets import VAL_SEED_BASE, val_sets
 import ragen.envs
 from ragen.config import load_config
 from ragen.envs.agents import Agent, evaluate_agent
+from ragen.envs.frozen_lake import LakeModel
 from ragen.errors import ConfigError
 from ragen.eval.intervals import wilson
 
@@ -48,25 +49,23 @@ def best_blind_sequence(env_name: str, env_cfg: dict | None, seeds: list[int], b
     ``seeds``.
 
     Exhaustive over the 4^budget sequences of deterministic FrozenLake, pruned by the best found: each seed's map
-    becomes a table of gymnasium's own transitions (the env's ``lake.P``), and a prefix is played on every map at
-    once. An episode ends in a hole or on the goal, so a sequence scores the maps it reaches the goal on at any move.
+    is gymnasium's own transition table in arrays (:class:`ragen.envs.frozen_lake.LakeModel`), and a prefix is
+    played on every map at once. An episode ends in a hole or on the goal, so a sequence scores the maps it reaches
+    the goal on at any move.
     """
     env = ragen.envs.make(env_name, **(env_cfg or {})).unwrapped
-    ids = sorted(env.action_lookup)  # our ids, 1..4 (gymnasium's 0..3 plus one)
-    nxt, start, goal, hole = [], [], [], []
+    ids = sorted(env.action_lookup)  # our ids 1..4: gymnasium's 0..3, LakeModel's action axis, plus one
+    nxt, to_goal, to_hole, start = [], [], [], []
     for seed in seeds:
         env.reset(seed=seed)
-        lake = env.lake
-        table = np.zeros((lake.nrow * lake.ncol, len(ids)), dtype=np.int64)
-        for state, moves in lake.P.items():
-            for a, outcomes in moves.items():
-                if len(outcomes) != 1:
-                    raise ValueError(f"{env_name}: a blind sequence search needs deterministic moves (is_slippery=false)")
-                table[state, a] = outcomes[0][1]
-        cells = "".join(ch.decode() for row in lake.desc for ch in row)
-        nxt.append(table), start.append(int(lake.s))
-        goal.append(np.array([c == "G" for c in cells])), hole.append(np.array([c == "H" for c in cells]))
-    nxt, goal, hole = np.stack(nxt), np.stack(goal), np.stack(hole)
+        model = LakeModel.of(env)
+        if not model.deterministic:
+            raise ValueError(f"{env_name}: a blind sequence search needs deterministic moves (is_slippery=false)")
+        reached = model.goal_prob.T > 0  # (n, 4): the move lands on the goal
+        nxt.append(model.succ[0].T), to_goal.append(reached)  # (n, 4): the cell a move leads to
+        to_hole.append((model.prob[0].T == 0) & ~reached)  # (n, 4): no live cell and not the goal: a hole
+        start.append(model.start)
+    nxt, to_goal, to_hole = np.stack(nxt), np.stack(to_goal), np.stack(to_hole)  # (seeds, n, 4)
     rows = np.arange(len(seeds))
     best = [-1, []]
 
@@ -76,9 +75,9 @@ def best_blind_sequence(env_name: str, env_cfg: dict | None, seeds: list[int], b
         if len(sequence) == length or wins + int(alive.sum()) <= best[0]:
             return
         for a in range(len(ids)):
-            after = nxt[rows, pos, a]
-            reached = alive & goal[rows, after]
-            search(after, alive & ~reached & ~hole[rows, after], wins + int(reached.sum()), sequence + [ids[a]], length)
+            reached = alive & to_goal[rows, pos, a]
+            search(nxt[rows, pos, a], alive & ~reached & ~to_hole[rows, pos, a], wins + int(reached.sum()),
+                   sequence + [ids[a]], length)
 
     found = (-1, [])
     for length in range(1, budget + 1):  # the shortest of the best: a longer search only adds moves when they help
