@@ -207,6 +207,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
             if space.max_length > self.observation_space.max_length:
                 self.observation_space = space
         self.lake = GymFrozenLake(desc=desc, is_slippery=c.is_slippery, success_rate=c.success_rate)
+        self._goal = divmod("".join(desc).index("G"), len(desc[0]))  # (row, col), for progress_reward
         # gymnasium's step draws the slips from lake.np_random: the seeded generator (the same draws as gymnasium's
         # env), or with own_slip_draw one per (seed, group member)
         self.lake.np_random = after_start_rng(self, seed, options, c.own_slip_draw, "frozen_lake")
@@ -238,9 +239,7 @@ class FrozenLakeEnv(TiledRender, TextEnv):
 
     def _goal_distance(self, state: int) -> int:
         """Manhattan distance from gymnasium state ``state`` to the goal cell."""
-        ncol = self.lake.ncol
-        goal = "".join(self.desc).index("G")
-        (r, c), (gr, gc) = divmod(int(state), ncol), divmod(goal, ncol)
+        (r, c), (gr, gc) = divmod(int(state), self.lake.ncol), self._goal
         return abs(r - gr) + abs(c - gc)
 
     def _tile_rows(self) -> list[str] | None:
