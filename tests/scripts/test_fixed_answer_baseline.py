@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ragen.envs.agents import Agent, evaluate_agent
+from tests.scripts.script_module import SCRIPTS, load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fixed_answer_baseline.py"
+SCRIPT = SCRIPTS / "fixed_answer_baseline.py"
 
 
 @pytest.fixture(scope="module")
 def baseline():
-    spec = importlib.util.spec_from_file_location("fixed_answer_baseline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fixed_answer_baseline")
 
 
 class SequenceAgent(Agent):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,16 +10,12 @@ from gymnasium.envs.toy_text.frozen_lake import MAPS
 
 import ragen.envs
 from ragen.envs.frozen_lake import policy_success_probability, solve
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "study_group_draws.py"
+from tests.scripts.script_module import load_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("study_group_draws", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("study_group_draws")
 
 
 @pytest.fixture(scope="module")
