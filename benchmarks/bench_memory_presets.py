@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", choices=["rl", "sft", "eval"], help=argparse.SUPPRESS)
     ap.add_argument("--child-name", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.presets = args.presets or shipped_presets()
     if args.child:
         size = args.episodes if args.child == "eval" else args.steps
         if args.child == "sft":
@@ -171,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     args.set)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    args.presets = args.presets or shipped_presets()
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),
                platform.processor())
     flags = next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "")
