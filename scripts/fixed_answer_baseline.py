@@ -94,6 +94,8 @@ def main() -> int:
     parser.add_argument("--episodes", type=int, default=128, help="validation seeds (default 128)")
     parser.add_argument("--top", type=int, default=8, help="answers printed (default 8)")
     args = parser.parse_args()
+    if args.episodes < 1 or args.top < 1:
+        parser.error("--episodes and --top must be at least 1")  # one line on stderr, exit 2
     try:
         config = load_config(args.preset, [])
     except ConfigError as exc:  # a mistyped preset or a bad YAML: one line, exit 2, as the ragen command does

@@ -65,3 +65,9 @@ def test_the_blind_search_refuses_slippery_ice(baseline):
 def test_an_unknown_preset_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, str(SCRIPT), "no_such_preset"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no_such_preset" in done.stderr
+
+
+def test_no_episodes_is_a_usage_error_not_a_traceback():
+    done = subprocess.run([sys.executable, str(SCRIPT), "frozenlake_rl", "--episodes", "0"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "--episodes" in done.stderr and "Traceback" not in done.stderr
